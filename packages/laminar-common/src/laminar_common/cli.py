@@ -1,0 +1,112 @@
+"""The ``laminar`` command: local etcd, the membership demo, a probe member, status.
+
+Parses arguments first and imports the heavier modules only afterwards, so
+``--help`` is instant. Logging is configured here, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="laminar", description="Laminar shared tooling.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    e = sub.add_parser("etcd", help="run a local etcd on a free loopback port until Ctrl-C")
+    e.add_argument("--data-dir", help="data dir (default: a new temp dir)")
+    e.add_argument("--port", type=int, help="client port (default: a free one)")
+
+    m = sub.add_parser("member", help="run a probe member (registers, serves a sink)")
+    m.add_argument("--config", help="YAML or TOML config file")
+    m.add_argument("--set", action="append", default=[], metavar="A.B=C",
+                   help="override a config field (repeatable)")
+
+    d = sub.add_parser("demo", help="membership demo: etcd, members, SIGKILL, etcd restart")
+    d.add_argument("--members", type=int, default=3, help="number of probe members")
+    d.add_argument("--ttl", type=int, default=3, help="lease TTL in seconds")
+
+    s = sub.add_parser("status", help="show a job's members and latest weight version")
+    s.add_argument("--etcd", default="127.0.0.1:2379", help="etcd endpoint host:port")
+    s.add_argument("--job", required=True, help="job name")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .errors import LaminarError
+    from .logs import setup_logging
+
+    try:
+        if args.cmd == "etcd":
+            return _cmd_etcd(args, setup_logging)
+        if args.cmd == "member":
+            return _cmd_member(args, setup_logging)
+        if args.cmd == "demo":
+            setup_logging("WARNING")
+            from .demo import run_demo
+
+            return run_demo(args.members, args.ttl)
+        if args.cmd == "status":
+            setup_logging("WARNING")
+            return _cmd_status(args)
+    except LaminarError as exc:
+        print(f"laminar {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+def _cmd_etcd(args, setup_logging) -> int:
+    import signal
+    import threading
+
+    from .launcher_etcd import LocalEtcd
+
+    setup_logging("INFO")
+    etcd = LocalEtcd(data_dir=args.data_dir, port=args.port).start()
+    print(f"etcd listening on {etcd.endpoint} (data dir {etcd.data_dir}); Ctrl-C stops it",
+          flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(0.5):
+        if etcd.proc is None or etcd.proc.poll() is not None:
+            print("etcd exited", file=sys.stderr)
+            return 1
+    etcd.close()
+    return 0
+
+
+def _cmd_member(args, setup_logging) -> int:
+    from .config import dump_config, load_config
+    from .member import MemberConfig, MemberService
+
+    config = load_config(MemberConfig, args.config, args.set)
+    setup_logging(config.logging.level, config.job, config.member_id, config.logging.json_format)
+    import logging
+
+    logging.getLogger("laminar_common.cli").info("resolved config:\n%s", dump_config(config))
+    return MemberService(config).run_forever()
+
+
+def _cmd_status(args) -> int:
+    from .etcd import EtcdCoordinator
+
+    coord = EtcdCoordinator([args.etcd], args.job, connect_timeout_s=5)
+    try:
+        latest = coord.latest_version()
+        print(f"job {args.job}: latest weight version "
+              f"{latest.version if latest else 'none'}")
+        for member_id, rec in sorted(coord.members().items()):
+            print(f"  {rec.role:<10} {member_id:<24} {rec.address:<28} host={rec.host} "
+                  f"v{rec.package_version} proto={rec.protocol_version}")
+    finally:
+        coord.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

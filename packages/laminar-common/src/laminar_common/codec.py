@@ -1,0 +1,272 @@
+"""Wire protocol and codec: every message that crosses a process boundary.
+
+Owns ``PROTOCOL_VERSION``, the message types and their one encoding. A frame
+is ``MAGIC (4 bytes) | protocol version (uint16, big endian) | msgpack body``;
+the body is a msgspec struct tagged by its ``kind``. Nothing is pickled.
+
+Invariants:
+
+- :func:`decode` either returns a fully validated message or raises
+  :class:`~laminar_common.errors.ProtocolError`; it never returns something
+  half-parsed. Size is checked before parsing.
+- Changing a message incompatibly means bumping ``PROTOCOL_VERSION``; peers
+  with another version are refused at handshake and per frame.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+import msgspec
+
+from .errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAGIC",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "Message",
+    "Hello",
+    "Welcome",
+    "Refused",
+    "SamplingSpec",
+    "PromptTask",
+    "Trajectory",
+    "PartialProgress",
+    "Ack",
+    "WorkerReport",
+    "Command",
+    "TensorSpec",
+    "ChunkSpec",
+    "WeightManifest",
+    "encode",
+    "decode",
+    "peek_version",
+]
+
+PROTOCOL_VERSION = 1
+MAGIC = b"LMNR"
+_HEADER = struct.Struct(">4sH")
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class _Msg(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True, frozen=True):
+    """Base of every wire message (tagged by class name in ``kind``)."""
+
+
+class Hello(_Msg, tag="hello"):
+    """First message on a connection: who I am and what I speak."""
+
+    member_id: str
+    role: str
+    protocol_version: int
+    package_version: str = ""
+    capacity: int = 0
+
+
+class Welcome(_Msg, tag="welcome"):
+    """Reply to an accepted :class:`Hello`."""
+
+    member_id: str
+    protocol_version: int
+
+
+class Refused(_Msg, tag="refused"):
+    """Reply to a refused :class:`Hello` (or frame); ``reason`` is for humans."""
+
+    reason: str
+
+
+class SamplingSpec(_Msg, tag="sampling"):
+    """Sampling parameters carried with a prompt."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+class PromptTask(_Msg, tag="prompt"):
+    """One trajectory to generate (one sample of a GRPO group).
+
+    ``resume_token_ids``/``resume_logprobs`` are non-empty for a migrated or
+    recovered trajectory; ``policy_version`` is then the version that produced
+    them and the receiving worker must run that same version.
+    """
+
+    trajectory_id: str
+    prompt_id: str
+    group_size: int
+    sample_index: int
+    prompt: str
+    prompt_token_ids: tuple[int, ...] = ()
+    metadata: dict[str, str] = {}
+    sampling: SamplingSpec = SamplingSpec()
+    resume_token_ids: tuple[int, ...] = ()
+    resume_logprobs: tuple[float, ...] = ()
+    policy_version: int = -1
+
+
+class Trajectory(_Msg, tag="trajectory"):
+    """A finished, scored trajectory, produced by exactly one policy version."""
+
+    trajectory_id: str
+    prompt_id: str
+    group_size: int
+    sample_index: int
+    worker_id: str
+    policy_version: int
+    prompt_token_ids: tuple[int, ...]
+    response_token_ids: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...]
+    reward: float
+    finish_reason: str
+    reward_error: str | None = None
+    completion: str = ""
+    generation_s: float = 0.0
+    simulated: bool = False
+
+
+class PartialProgress(_Msg, tag="partial"):
+    """Tokens generated so far for an unfinished trajectory."""
+
+    trajectory_id: str
+    worker_id: str
+    policy_version: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+class Ack(_Msg, tag="ack"):
+    """Trainer -> manager: these trajectory ids were consumed by a step."""
+
+    trajectory_ids: tuple[str, ...]
+    trainer_step: int
+    trainer_version: int
+
+
+class WorkerReport(_Msg, tag="report"):
+    """Worker -> manager: load, version and the trajectories it holds."""
+
+    worker_id: str
+    policy_version: int
+    active: int
+    queued: int
+    max_batch: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    holding: tuple[str, ...] = ()
+    done: tuple[str, ...] = ()
+
+
+class Command(_Msg, tag="command"):
+    """Manager -> worker control: ``export`` (repack), ``pull`` (weights), ``stop``."""
+
+    action: str
+    trajectory_ids: tuple[str, ...] = ()
+    version: int = -1
+
+
+class TensorSpec(_Msg, tag="tensor"):
+    """Where one named tensor lives in a version's flat byte stream."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class ChunkSpec(_Msg, tag="chunk"):
+    """One chunk of a version's byte stream and its checksum (blake2b-128 hex)."""
+
+    index: int
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+class WeightManifest(_Msg, tag="manifest"):
+    """Everything needed to reassemble and verify one weight version."""
+
+    version: int
+    total_bytes: int
+    chunk_bytes: int
+    tensors: tuple[TensorSpec, ...]
+    chunks: tuple[ChunkSpec, ...]
+    created_at: float = 0.0
+    trainer_step: int = -1
+
+
+Message = Union[
+    Hello,
+    Welcome,
+    Refused,
+    PromptTask,
+    Trajectory,
+    PartialProgress,
+    Ack,
+    WorkerReport,
+    Command,
+    WeightManifest,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_HEADER_PREFIX = _HEADER.pack(MAGIC, PROTOCOL_VERSION)
+
+
+def encode(msg: _Msg) -> bytes:
+    """Encode one message into a frame (header + msgpack body)."""
+    return _HEADER_PREFIX + _encoder.encode(msg)
+
+
+def peek_version(frame: bytes | memoryview) -> int:
+    """Return the protocol version in a frame's header.
+
+    Raises:
+        ProtocolError: the frame is too short or lacks the magic bytes.
+    """
+    if len(frame) < _HEADER.size:
+        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than the header")
+    magic, version = _HEADER.unpack_from(frame)
+    if magic != MAGIC:
+        raise ProtocolError(f"frame does not start with {MAGIC!r} (got {bytes(magic)!r})")
+    return version
+
+
+def decode(
+    frame: bytes | memoryview,
+    *,
+    max_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    expect: type | tuple[type, ...] | None = None,
+) -> Message:
+    """Decode and validate one frame.
+
+    Args:
+        frame: the raw bytes received.
+        max_bytes: frames larger than this are refused before parsing.
+        expect: if given, the message must be an instance of this type(s).
+
+    Raises:
+        ProtocolError: oversized, bad header, other protocol version,
+            malformed body, or an unexpected message kind.
+    """
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    version = peek_version(frame)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"frame speaks protocol version {version}, this process speaks "
+            f"{PROTOCOL_VERSION}: upgrade the older side"
+        )
+    try:
+        msg = _decoder.decode(memoryview(frame)[_HEADER.size:])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed frame body: {exc}") from exc
+    if expect is not None and not isinstance(msg, expect):
+        raise ProtocolError(f"unexpected message kind {type(msg).__name__!r}")
+    return msg

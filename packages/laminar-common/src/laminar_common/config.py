@@ -1,0 +1,214 @@
+"""Config base and loader shared by every tier.
+
+Owns: the frozen, extra-forbidding pydantic base model, the sub-configs every
+tier shares (etcd, logging), and :func:`load_config`, which applies the
+precedence ``defaults < file (YAML/TOML) < LAMINAR_* env < --set a.b=c``.
+
+Invariants: a config either validates completely or :class:`ConfigError` is
+raised naming every bad field path with a hint; nothing half-loaded escapes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tomllib
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+
+__all__ = [
+    "LaminarModel",
+    "EtcdConfig",
+    "LoggingConfig",
+    "load_config",
+    "read_config_file",
+    "apply_override",
+    "dump_config",
+]
+
+ENV_PREFIX = "LAMINAR_"
+M = TypeVar("M", bound="LaminarModel")
+
+
+class LaminarModel(BaseModel):
+    """Base of every config model: immutable, and unknown keys are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class EtcdConfig(LaminarModel):
+    """Where etcd is and how this member holds its lease."""
+
+    endpoints: tuple[str, ...] = Field(default=("127.0.0.1:2379",), min_length=1)
+    """etcd client endpoints as ``host:port``; the first reachable one is used."""
+    ttl_s: int = Field(default=10, ge=2, le=300)
+    """Lease TTL in seconds: a member that stops refreshing vanishes after this."""
+    connect_timeout_s: float = Field(default=30.0, gt=0)
+    """How long to retry (with backoff) before giving up on reaching etcd."""
+    user: str | None = None
+    """etcd user name, if etcd authentication is on."""
+    password: str | None = None
+    """etcd password for ``user``."""
+    ca_cert: str | None = None
+    """Path of the CA certificate for TLS to etcd (TLS off when unset)."""
+
+
+class LoggingConfig(LaminarModel):
+    """How the CLI configures logging (libraries only ever get a logger)."""
+
+    level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
+    """Root log level: DEBUG, INFO, WARNING or ERROR."""
+    json_format: bool = False
+    """Emit one JSON object per line instead of text."""
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file into a dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml", ".json"):
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"config file {str(p)!r}: use a .yaml, .yml or .toml file")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def apply_override(data: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    """Set ``data[a][b][c] = value`` for ``dotted == 'a.b.c'``, creating levels."""
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"{source}: {dotted!r} is not a dotted field path like a.b.c")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise ConfigError(f"{source}: {where} is a value, not a section; cannot set {dotted}")
+        node = child
+    node[parts[-1]] = value
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _env_overrides(env: Mapping[str, str], prefix: str) -> list[tuple[str, Any, str]]:
+    out = []
+    for name, raw in sorted(env.items()):
+        if not name.startswith(prefix) or name == f"{prefix}CONFIG":
+            continue
+        dotted = name[len(prefix):].lower().replace("__", ".")
+        out.append((dotted, _parse_scalar(raw), f"env {name}"))
+    return out
+
+
+def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names that exist at ``loc`` (best effort, for did-you-mean hints)."""
+    current: Any = model
+    for part in loc:
+        fields = getattr(current, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        ann = fields[part].annotation
+        current = ann if isinstance(ann, type) else None
+        if current is None:
+            return []
+    fields = getattr(current, "model_fields", None)
+    return list(fields) if fields else []
+
+
+def _format_errors(model: type[BaseModel], exc: ValidationError, origin: str) -> str:
+    lines = [f"invalid {model.__name__} ({origin}):"]
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"])
+        path = ".".join(str(p) for p in loc) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            known = _field_names(model, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            valid = f"; valid fields here: {', '.join(known)}" if known else ""
+            lines.append(f"  {path}: unknown field{hint}{valid}")
+        else:
+            given = err.get("input")
+            shown = "" if isinstance(given, dict) else f" (got {given!r})"
+            lines.append(f"  {path}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(
+    model: type[M],
+    path: str | os.PathLike[str] | None = None,
+    overrides: Iterable[str] = (),
+    env: Mapping[str, str] | None = None,
+    env_prefix: str = ENV_PREFIX,
+    base: Mapping[str, Any] | None = None,
+) -> M:
+    """Build a validated config of type ``model``.
+
+    Args:
+        model: the tier's config class.
+        path: optional YAML/TOML file.
+        overrides: ``a.b=c`` strings (``--set``); values are parsed as YAML
+            scalars, so ``3`` is an int and ``[a, b]`` a list.
+        env: environment to read ``LAMINAR_A__B=c`` from (``os.environ`` by default).
+        base: values applied below the file (e.g. a section of a job file).
+
+    Raises:
+        ConfigError: unreadable file, bad override syntax, or any field that
+            does not validate (every bad field path is listed).
+    """
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        for key, value in read_config_file(path).items():
+            data[key] = value
+    for dotted, value, source in _env_overrides(os.environ if env is None else env, env_prefix):
+        if dotted.split(".")[0] in model.model_fields:
+            apply_override(data, dotted, value, source)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected a.b=value")
+        dotted, raw = item.split("=", 1)
+        apply_override(data, dotted.strip(), _parse_scalar(raw), f"--set {item!r}")
+    origin = f"file {str(path)!r}" if path is not None else "defaults and overrides"
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(model, exc, origin)) from exc
+
+
+def dump_config(config: BaseModel) -> str:
+    """Render the resolved config as YAML (secrets masked) for the start-up log."""
+    data = config.model_dump(mode="json")
+
+    def mask(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {
+                k: ("***" if k in ("password", "secret_key") and v else mask(v))
+                for k, v in node.items()
+            }
+        if isinstance(node, list):
+            return [mask(v) for v in node]
+        return node
+
+    return yaml.safe_dump(mask(data), sort_keys=False).rstrip()

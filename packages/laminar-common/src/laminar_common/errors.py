@@ -1,0 +1,48 @@
+"""The one Laminar error family.
+
+Every tier raises subclasses of :class:`LaminarError`. Third-party errors
+(etcd, ZeroMQ, gRPC) are re-raised as one of these, ``from`` the original, in
+the module that touches the library, so callers never catch a foreign type.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LaminarError",
+    "ConfigError",
+    "ProtocolError",
+    "CoordinationError",
+    "TransportError",
+    "EtcdUnavailableError",
+]
+
+
+class LaminarError(Exception):
+    """Base of every error Laminar raises on purpose."""
+
+
+class ConfigError(LaminarError):
+    """A configuration file, env var or ``--set`` override is invalid.
+
+    The message names the field path (``relay.chunk_bytes``) and what to do.
+    """
+
+
+class ProtocolError(LaminarError):
+    """A frame, message or peer violates the wire protocol.
+
+    Raised for malformed or oversized frames, unknown message kinds and a
+    peer whose ``PROTOCOL_VERSION`` differs from ours.
+    """
+
+
+class TransportError(LaminarError):
+    """A socket could not be bound, connected or used."""
+
+
+class CoordinationError(LaminarError):
+    """etcd refused an operation (lost a compare-and-swap, lease expired...)."""
+
+
+class EtcdUnavailableError(CoordinationError):
+    """etcd could not be reached (after the bounded retries, if any)."""

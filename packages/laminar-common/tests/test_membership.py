@@ -1,0 +1,88 @@
+"""Coordinator semantics on the in-memory twin (the etcd one is in integration_tests)."""
+
+import pytest
+
+from laminar_common.errors import CoordinationError, ProtocolError
+from laminar_common.membership import (
+    InMemoryCoordinator,
+    InMemoryEtcd,
+    MemberRecord,
+    VersionRecord,
+)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def store():
+    return InMemoryEtcd(clock=FakeClock())
+
+
+def test_register_watch_and_lease_expiry(store):
+    a = InMemoryCoordinator(store, "job", ttl_s=5)
+    b = InMemoryCoordinator(store, "job", ttl_s=5)
+    events = []
+    b.watch_members(lambda ev: events.append((ev.kind, ev.member_id)))
+    a.register(MemberRecord(member_id="w1", role="worker", address="tcp://x"))
+    assert b.members("worker")["w1"].address == "tcp://x"
+    store._clock.now = 3
+    assert a.keepalive()
+    store._clock.now = 7
+    assert "w1" in b.members()
+    store._clock.now = 20
+    assert b.members() == {}
+    assert events == [("put", "w1"), ("delete", "w1")]
+    assert not a.registered
+
+
+def test_protocol_mismatch_refused_at_registration(store):
+    InMemoryCoordinator(store, "job").register(MemberRecord(member_id="a", role="worker"))
+    other = InMemoryCoordinator(store, "job")
+    with pytest.raises(ProtocolError, match="protocol version 99"):
+        other.register(MemberRecord(member_id="b", role="worker", protocol_version=99))
+    assert "b" not in other.members()
+
+
+def test_versions_only_move_forward(store):
+    c = InMemoryCoordinator(store, "job")
+    seen = []
+    c.watch_latest(lambda rec: seen.append(rec.version))
+    assert c.latest_version() is None
+    c.publish_version(VersionRecord(version=1))
+    c.publish_version(VersionRecord(version=3))
+    for bad in (3, 2):
+        with pytest.raises(CoordinationError, match="not newer"):
+            c.publish_version(VersionRecord(version=bad))
+    assert c.latest_version().version == 3
+    assert seen == [1, 3]
+
+
+def test_election_bound_to_lease(store):
+    a = InMemoryCoordinator(store, "job")
+    b = InMemoryCoordinator(store, "job")
+    a.register(MemberRecord(member_id="a", role="relay"))
+    b.register(MemberRecord(member_id="b", role="relay"))
+    assert a.campaign("master", "a")
+    assert not b.campaign("master", "b")
+    assert b.leader("master") == "a"
+    a.close()
+    assert b.leader("master") is None
+    assert b.campaign("master", "b")
+    b.resign("master")
+    assert b.leader("master") is None
+
+
+def test_campaign_needs_registration(store):
+    with pytest.raises(CoordinationError):
+        InMemoryCoordinator(store, "job").campaign("master", "x")
+
+
+def test_jobs_are_isolated(store):
+    InMemoryCoordinator(store, "a").register(MemberRecord(member_id="w", role="worker"))
+    assert InMemoryCoordinator(store, "b").members() == {}

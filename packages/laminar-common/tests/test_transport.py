@@ -1,0 +1,149 @@
+"""Transports: ZeroMQ on loopback and the inproc twin behave the same."""
+
+import threading
+
+import pytest
+
+from laminar_common import codec
+from laminar_common.errors import ProtocolError, TransportError
+from laminar_common.transport import (
+    InprocClient,
+    InprocHub,
+    InprocPullReceiver,
+    InprocPushSender,
+    InprocServer,
+    ZmqClient,
+    ZmqPullReceiver,
+    ZmqPushSender,
+    ZmqServer,
+)
+
+ACK = codec.Ack(trajectory_ids=("t1",), trainer_step=1, trainer_version=1)
+
+
+def _hello(member_id, version=codec.PROTOCOL_VERSION):
+    return codec.Hello(member_id=member_id, role="worker", protocol_version=version)
+
+
+@pytest.fixture(params=["zmq", "inproc"])
+def push_pull(request):
+    if request.param == "zmq":
+        r = ZmqPullReceiver("tcp://127.0.0.1:0", max_frame_bytes=4096)
+        s = ZmqPushSender(r.endpoint)
+    else:
+        hub = InprocHub()
+        r = InprocPullReceiver(hub, max_frame_bytes=4096)
+        s = InprocPushSender(hub, r.endpoint)
+    yield s, r
+    s.close()
+    r.close()
+
+
+def test_push_pull_rejects_bad_frames_and_keeps_serving(push_pull):
+    sender, receiver = push_pull
+    bad_version = bytearray(codec.encode(ACK))
+    bad_version[5] = 99
+    for frame in (b"junk", codec.MAGIC + b"\x00\x01\xc1", bytes(bad_version),
+                  codec.MAGIC + b"\x00\x01" + b"x" * 5000):
+        sender.send_frame(frame)
+    sender.send(ACK)
+    assert receiver.recv(timeout_s=5) == ACK
+    assert receiver.stats.rejected == {"malformed": 2, "version": 1, "oversized": 1}
+    assert receiver.stats.received == 1
+    assert receiver.recv(timeout_s=0.05) is None
+
+
+@pytest.fixture(params=["zmq", "inproc"])
+def server_and_client_factory(request):
+    made = []
+    if request.param == "zmq":
+        server = ZmqServer(member_id="mgr")
+
+        def client(hello):
+            c = ZmqClient(server.endpoint, hello)
+            made.append(c)
+            return c
+    else:
+        hub = InprocHub()
+        server = InprocServer(hub, member_id="mgr")
+
+        def client(hello):
+            return InprocClient(hub, server.endpoint, hello, server)
+
+    yield server, client
+    for c in made:
+        c.close()
+    server.close()
+
+
+def _serve(server, n_msgs):
+    def run():
+        got = 0
+        while got < n_msgs:
+            item = server.recv(timeout_s=5)
+            if item is None:
+                return
+            peer, msg = item
+            if isinstance(msg, codec.Ack):
+                server.send(peer, msg)
+                got += 1
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_handshake_then_round_trip(server_and_client_factory):
+    server, make_client = server_and_client_factory
+    client = make_client(_hello("w1"))
+    t = _serve(server, 1)
+    welcome = client.connect(timeout_s=5)
+    assert welcome.member_id == "mgr"
+    client.send(ACK)
+    assert client.recv(timeout_s=5) == ACK
+    t.join()
+    assert "w1" in server.peers
+
+
+def test_message_before_hello_is_dropped_and_counted(server_and_client_factory):
+    server, make_client = server_and_client_factory
+    client = make_client(_hello("w2"))
+    client.send(ACK)
+    assert server.recv(timeout_s=0.5) is None
+    assert server.stats.rejected["no-hello"] == 1
+
+
+def test_other_protocol_version_refused_with_clear_error(server_and_client_factory):
+    server, make_client = server_and_client_factory
+    client = make_client(_hello("old", version=codec.PROTOCOL_VERSION + 1))
+    t = _serve(server, 1)
+    with pytest.raises(ProtocolError, match="refused: worker 'old' speaks protocol version"):
+        client.connect(timeout_s=5)
+    t.join()
+    assert server.stats.rejected["refused"] == 1
+    assert "old" not in server.peers
+
+
+def test_send_to_unknown_peer_refused(server_and_client_factory):
+    server, _ = server_and_client_factory
+    with pytest.raises(TransportError, match="has not said hello"):
+        server.send("ghost", ACK)
+
+
+def test_zmq_push_reports_backpressure():
+    receiver = ZmqPullReceiver("tcp://127.0.0.1:0", hwm=1)
+    sender = ZmqPushSender(receiver.endpoint, hwm=1, send_timeout_s=0.2)
+    big = codec.Ack(trajectory_ids=tuple(f"t{i}" for i in range(20000)), trainer_step=0,
+                    trainer_version=0)
+    with pytest.raises(TransportError, match="high-water mark"):
+        for _ in range(10000):
+            sender.send(big)
+    sender.close()
+    receiver.close()
+
+
+def test_bind_conflict_is_a_transport_error():
+    first = ZmqPullReceiver("tcp://127.0.0.1:0")
+    with pytest.raises(TransportError, match="cannot bind"):
+        ZmqPullReceiver(first.endpoint)
+    first.close()
