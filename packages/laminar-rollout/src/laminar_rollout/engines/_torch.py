@@ -1,0 +1,464 @@
+"""``TorchEngine``: continuous batching over a Hugging Face causal LM in plain PyTorch.
+
+The reference engine: exact, CPU-capable, and small enough to read. It is what
+tests and CPU-only deployments use; vLLM is the production engine.
+
+How a step runs:
+
+1. **Decode.** Every active sequence feeds its last sampled token in *one*
+   batched forward. The KV cache lives in a per-layer slot store
+   ``[max_batch, kv_heads, capacity, head_dim]``; slot ``s`` holds its
+   sequence's keys/values at positions ``0 .. len_s - 1``. For the forward the
+   active slots are gathered into a ``DynamicCache`` of length ``L = max len``;
+   a 2-D attention mask hides each row's unused tail ``len_s .. L - 1`` (a
+   "hole" before the new token at column ``L``) and ``position_ids = len_s``
+   keeps RoPE positions exact. The new token's key/value is then written back
+   to slot ``s`` at ``len_s``.
+2. **Admit and prefill.** Freed slots take queued requests; all of them are
+   prefilled in one right-padded forward (``prompt + resume`` tokens) and
+   sample their first token from the last real position.
+
+Finished sequences free their slot within the step, so the next queued
+request starts in the same step. The engine never lets weights change under an
+unfinished request.
+
+Limits: full-attention decoder models only (sliding-window layers are refused
+when the window is shorter than the context), no prefix sharing, and memory is
+``max_batch x longest sequence`` per layer. Written against transformers 5.x
+(``cache=`` keyword; ``past_key_values=`` is used when a model still takes it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from ._sampling import sample_next_tokens
+from ._sequences import SequenceState, SequenceTable
+from .base import (
+    EngineError,
+    EngineLoad,
+    GenerationEngine,
+    GenerationOutput,
+    GenerationRequest,
+    PartialProgress,
+    check_load_weights_allowed,
+    check_weight_version,
+)
+
+logger = logging.getLogger(__name__)
+
+_MIN_CAPACITY = 64
+
+
+def _eos_ids_of(model: PreTrainedModel) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        ids.extend([value] if isinstance(value, int) else list(value))
+    return tuple(dict.fromkeys(ids))
+
+
+def _layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(cache, "layers"):
+        entry = cache.layers[layer]
+        return entry.keys, entry.values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def _num_layers(cache: Any) -> int:
+    return len(cache.layers) if hasattr(cache, "layers") else len(cache.key_cache)
+
+
+class TorchEngine(GenerationEngine):
+    """Continuous-batching generation engine on a transformers causal LM.
+
+    Args:
+        model: A loaded ``PreTrainedModel`` (causal LM), or a local directory
+            to load one from with ``from_pretrained`` (no hub access).
+        max_batch: Decode slots, i.e. the most sequences generated at once.
+        context_length: Prompt plus response limit; defaults to (and may not
+            exceed) the model's ``max_position_embeddings``.
+        weight_version: Version of the weights the model holds now.
+        eos_token_ids: Tokens that end every response; ``None`` takes them
+            from the model's generation config, ``()`` disables EOS.
+        seed: Seed of the generator used by requests without their own seed.
+        device: Move the model here; ``None`` keeps it where it is.
+        dtype: Dtype when loading from a directory (ignored for a model object).
+
+    Raises:
+        EngineError: the model cannot be loaded or is not supported.
+        ValueError: a bad argument.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str | os.PathLike[str],
+        *,
+        max_batch: int = 8,
+        context_length: int | None = None,
+        weight_version: int = 0,
+        eos_token_ids: Iterable[int] | None = None,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if isinstance(model, (str, os.PathLike)):
+            model = self._load(model, dtype)
+        if not isinstance(model, torch.nn.Module):
+            raise EngineError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        if device is not None:
+            model = model.to(device)
+        model.eval()
+        self._model = model
+        self._device = next(model.parameters()).device
+        self._table = SequenceTable(max_batch)
+        self._version = check_weight_version(weight_version)
+        self._weights_intact = True
+
+        config = (
+            model.config.get_text_config()
+            if hasattr(model.config, "get_text_config")
+            else model.config
+        )
+        max_pos = getattr(config, "max_position_embeddings", None)
+        if context_length is None:
+            if max_pos is None:
+                raise ValueError(
+                    "context_length is required: the model config has no max_position_embeddings"
+                )
+            context_length = int(max_pos)
+        if (
+            isinstance(context_length, bool)
+            or not isinstance(context_length, int)
+            or context_length < 2
+        ):
+            raise ValueError(f"context_length must be an int >= 2, got {context_length!r}")
+        if max_pos is not None and context_length > max_pos:
+            raise ValueError(
+                f"context_length {context_length} exceeds the model's "
+                f"max_position_embeddings {max_pos}"
+            )
+        self._context_length = context_length
+        self._check_attention(config)
+
+        params = inspect.signature(model.forward).parameters
+        if "cache" in params:
+            self._cache_kw = "cache"
+        elif "past_key_values" in params:
+            self._cache_kw = "past_key_values"
+        else:
+            raise EngineError(f"{type(model).__name__}.forward takes no KV cache argument")
+        self._keep_logits = "logits_to_keep" in params
+        self._vocab = model.get_input_embeddings().num_embeddings
+        self._eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids_of(model)
+        self._generator = torch.Generator(device=self._device)
+        self._generator.manual_seed(seed)
+
+        # slot KV store, allocated at the first prefill when head shapes are known
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._capacity = 0
+        self._lens = [0] * max_batch
+        self._pending = [0] * max_batch
+
+    @staticmethod
+    def _load(path: str | os.PathLike[str], dtype: torch.dtype | None) -> PreTrainedModel:
+        try:
+            return AutoModelForCausalLM.from_pretrained(
+                os.fspath(path), local_files_only=True, dtype=dtype
+            )
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"cannot load a causal LM from {os.fspath(path)!r}: {exc}") from exc
+
+    def _check_attention(self, config: Any) -> None:
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        uses_window = bool(window) and getattr(config, "use_sliding_window", True) is not False
+        if layer_types is not None:
+            uses_window = uses_window and any(t != "full_attention" for t in layer_types)
+            other = sorted(
+                {t for t in layer_types if t not in ("full_attention", "sliding_attention")}
+            )
+            if other:
+                raise EngineError(f"TorchEngine supports attention layers only, model has {other}")
+        if uses_window and window < self._context_length:
+            raise EngineError(
+                f"sliding-window attention (window {window}) shorter than context_length "
+                f"{self._context_length} is not supported by TorchEngine"
+            )
+
+    # -- interface -------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The wrapped model (do not change its weights while requests are unfinished)."""
+        return self._model
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    def add_request(self, request: GenerationRequest) -> None:
+        if not self._weights_intact:
+            raise EngineError(
+                f"refusing request {request.request_id!r}: the last load_weights failed midway, "
+                "so the weights are inconsistent until a load_weights succeeds"
+            )
+        n_prompt = len(request.prompt_token_ids)
+        if n_prompt > self._context_length - 1:
+            raise EngineError(
+                f"request {request.request_id!r}: prompt of {n_prompt} tokens does not fit "
+                f"context_length {self._context_length} (at most {self._context_length - 1} "
+                "prompt tokens leave room for one generated token)"
+            )
+        total = n_prompt + len(request.resume_token_ids)
+        if total > self._context_length:
+            raise EngineError(
+                f"request {request.request_id!r}: prompt ({n_prompt}) plus resumed tokens "
+                f"({len(request.resume_token_ids)}) exceed context_length {self._context_length}"
+            )
+        bad = [
+            t for t in (*request.prompt_token_ids, *request.resume_token_ids) if t >= self._vocab
+        ]
+        if bad:
+            raise EngineError(
+                f"request {request.request_id!r}: token id {bad[0]} is outside the model's "
+                f"vocabulary of {self._vocab}"
+            )
+        self._table.add(request, weight_version=self._version, eos_ids=self._eos)
+
+    def has_unfinished(self) -> bool:
+        return len(self._table) > 0
+
+    def load(self) -> EngineLoad:
+        active = self._table.active()
+        return EngineLoad(
+            active=len(active),
+            queued=len(self._table.queued()),
+            max_batch=self._table.max_batch,
+            kv_used_tokens=sum(self._lens[s.slot] for s in active),
+            kv_capacity_tokens=self._table.max_batch * self._context_length,
+        )
+
+    def progress(self) -> list[PartialProgress]:
+        return self._table.progress(self._version)
+
+    def export(self, request_ids: Iterable[str] | None = None) -> list[GenerationRequest]:
+        return [SequenceTable.resumable(s, self._version) for s in self._table.take(request_ids)]
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[GenerationOutput]:
+        return [
+            SequenceTable.output(s, "aborted", self._version, simulated=False)
+            for s in self._table.take(request_ids)
+        ]
+
+    def load_weights(
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | None,
+    ) -> None:
+        """Copy named tensors into the model's parameters, then adopt ``version``.
+
+        ``named_tensors`` may cover a subset of the parameters (tied names such
+        as ``lm_head.weight`` are accepted). Tensors are checked and copied as
+        they stream in; if one is rejected the weights are left partially
+        updated, so the engine refuses requests until a later load succeeds.
+
+        Raises:
+            EngineError: busy engine, version not newer, no tensors, or a name,
+                shape or dtype that does not match the model.
+        """
+        check_load_weights_allowed(self, version)
+        if named_tensors is None:
+            raise EngineError("TorchEngine.load_weights needs named tensors, got None")
+        params = dict(self._model.named_parameters(remove_duplicate=False))
+        loaded = 0
+        self._weights_intact = False
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = params.get(name)
+                if target is None:
+                    raise EngineError(
+                        f"weights v{version}: tensor {name!r} is not a parameter of the model"
+                    )
+                if not isinstance(tensor, torch.Tensor):
+                    raise EngineError(
+                        f"weights v{version}: {name!r} is a {type(tensor).__name__}, not a tensor"
+                    )
+                if tensor.shape != target.shape:
+                    raise EngineError(
+                        f"weights v{version}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                if tensor.dtype != target.dtype:
+                    raise EngineError(
+                        f"weights v{version}: tensor {name!r} has dtype {tensor.dtype}, "
+                        f"the model expects {target.dtype}"
+                    )
+                target.copy_(tensor)
+                loaded += 1
+        if loaded == 0:
+            raise EngineError(f"weights v{version}: no tensors were given")
+        self._weights_intact = True
+        self._version = version
+        logger.info("loaded weights v%d (%d tensors)", version, loaded)
+
+    # -- stepping --------------------------------------------------------------------
+
+    def step(self) -> list[GenerationOutput]:
+        finished: list[GenerationOutput] = []
+        with torch.inference_mode():
+            running = self._table.active()
+            if running:
+                self._decode(running)
+                finished.extend(self._collect(running))
+            admitted: list[SequenceState] = []
+            for slot in self._table.free_slots():
+                if self._table.peek_queued() is None:
+                    break
+                seq = self._table.admit_next(slot)
+                reason = seq.finish_reason(self._context_length)
+                if reason is not None:  # a resumed trajectory that was already complete
+                    self._table.release(seq)
+                    finished.append(
+                        SequenceTable.output(seq, reason, self._version, simulated=False)
+                    )
+                else:
+                    admitted.append(seq)
+            if admitted:
+                self._prefill(admitted)
+                finished.extend(self._collect(admitted))
+        return finished
+
+    def _collect(self, seqs: list[SequenceState]) -> list[GenerationOutput]:
+        done = []
+        for seq in seqs:
+            reason = seq.finish_reason(self._context_length)
+            if reason is not None:
+                self._table.release(seq)
+                done.append(SequenceTable.output(seq, reason, self._version, simulated=False))
+        return done
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "position_ids": positions,
+            self._cache_kw: cache,
+            "use_cache": True,
+        }
+        if keep is not None:
+            kwargs["logits_to_keep"] = keep
+        return self._model(**kwargs).logits
+
+    def _sample(self, seqs: list[SequenceState], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample_next_tokens(
+            logits,
+            [s.request.params for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            self._generator,
+        )
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            self._pending[seq.slot] = tok
+
+    def _decode(self, seqs: list[SequenceState]) -> None:
+        dev = self._device
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        lens = torch.tensor([self._lens[s.slot] for s in seqs], device=dev)
+        width = int(lens.max())
+        self._ensure_capacity(width + 1)
+        cache = DynamicCache()
+        for layer, (k_store, v_store) in enumerate(zip(self._keys, self._values)):
+            cache.update(k_store[slots, :, :width], v_store[slots, :, :width], layer)
+        cols = torch.arange(width + 1, device=dev)
+        mask = (cols[None, :] < lens[:, None]) | (cols[None, :] == width)
+        input_ids = torch.tensor([[self._pending[s.slot]] for s in seqs], device=dev)
+        logits = self._forward(input_ids, mask.long(), lens[:, None], cache, None)[:, -1]
+        for layer, (k_store, v_store) in enumerate(zip(self._keys, self._values)):
+            keys, values = _layer_kv(cache, layer)
+            k_store[slots, :, lens] = keys[:, :, -1]
+            v_store[slots, :, lens] = values[:, :, -1]
+        for seq in seqs:
+            self._lens[seq.slot] += 1
+        self._sample(seqs, logits)
+
+    def _prefill(self, seqs: list[SequenceState]) -> None:
+        dev = self._device
+        inputs = [s.input_ids() for s in seqs]
+        n = torch.tensor([len(x) for x in inputs], device=dev)
+        width = int(n.max())
+        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
+        for i, x in enumerate(inputs):
+            ids[i, : len(x)] = torch.tensor(x, device=dev)
+        cols = torch.arange(width, device=dev)
+        mask = (cols[None, :] < n[:, None]).long()
+        positions = cols[None, :].expand(len(seqs), width)
+        last = n - 1
+        rows = torch.arange(len(seqs), device=dev)
+        cache = DynamicCache()
+        if self._keep_logits:
+            keep = torch.unique(last)
+            logits = self._forward(ids, mask, positions, cache, keep)
+            logits = logits[rows, torch.searchsorted(keep, last)]
+        else:
+            logits = self._forward(ids, mask, positions, cache, None)[rows, last]
+        if not self._keys:
+            self._allocate(cache, width)
+        self._ensure_capacity(width)
+        for layer, (k_store, v_store) in enumerate(zip(self._keys, self._values)):
+            keys, values = _layer_kv(cache, layer)
+            for i, seq in enumerate(seqs):
+                length = len(inputs[i])
+                k_store[seq.slot, :, :length] = keys[i, :, :length]
+                v_store[seq.slot, :, :length] = values[i, :, :length]
+        for i, seq in enumerate(seqs):
+            self._lens[seq.slot] = len(inputs[i])
+        self._sample(seqs, logits)
+
+    def _allocate(self, cache: Any, needed: int) -> None:
+        capacity = min(self._context_length, max(needed, _MIN_CAPACITY))
+        for layer in range(_num_layers(cache)):
+            keys, values = _layer_kv(cache, layer)
+            shape_k = (self._table.max_batch, keys.shape[1], capacity, keys.shape[3])
+            shape_v = (self._table.max_batch, values.shape[1], capacity, values.shape[3])
+            self._keys.append(torch.zeros(shape_k, dtype=keys.dtype, device=keys.device))
+            self._values.append(torch.zeros(shape_v, dtype=values.dtype, device=values.device))
+        self._capacity = capacity
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self._capacity:
+            return
+        assert needed <= self._context_length, (needed, self._context_length)
+        capacity = min(self._context_length, max(needed, 2 * self._capacity))
+        for store in (self._keys, self._values):
+            for layer, old in enumerate(store):
+                grown = old.new_zeros((old.shape[0], old.shape[1], capacity, old.shape[3]))
+                grown[:, :, : self._capacity] = old
+                store[layer] = grown
+        self._capacity = capacity

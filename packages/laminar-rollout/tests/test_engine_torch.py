@@ -1,0 +1,371 @@
+"""TorchEngine: exactness of continuous batching, log-probs, version stamping, migration."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from laminar_rollout.engines import (
+    EngineError,
+    GenerationRequest,
+    SamplingParams,
+    TorchEngine,
+    make_engine,
+)
+
+VOCAB = 48
+CONTEXT = 96
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    # the CI boxes are 2 shared cores: OpenMP spinning on a busy core makes tiny
+    # matmuls hundreds of times slower than one thread
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _build(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        initializer_range=0.3,  # peaky next-token distributions, so greedy has clear winners
+        tie_word_embeddings=False,
+    )
+    return Qwen2ForCausalLM(config).to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen2ForCausalLM:
+    return _build()
+
+
+@pytest.fixture(scope="module")
+def model64() -> Qwen2ForCausalLM:
+    return _build(dtype=torch.float64)
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """One sequence at a time, full forward per token, no KV cache."""
+    seq = list(prompt)
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            tok = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+            out.append(tok)
+            seq.append(tok)
+    return out
+
+
+def teacher_forced_logprobs(model, prompt, response, temperature) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + response])).logits[0].double()
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / t, dim=-1)
+    return logp[torch.arange(len(response)), torch.tensor(response)]
+
+
+def _requests(n: int, seed: int, **params) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]
+        sp = SamplingParams(**{"temperature": 0.0, "max_tokens": rng.randint(1, 24), **params})
+        reqs.append(GenerationRequest(f"r{i}", prompt, sp))
+    return reqs
+
+
+def test_continuous_batching_matches_one_at_a_time_greedy(model64):
+    engine = TorchEngine(model64, max_batch=4, eos_token_ids=())
+    batch_sizes: list[int] = []
+    hook = model64.register_forward_pre_hook(
+        lambda _m, _a, kw: batch_sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        requests = _requests(13, seed=1)
+        for r in requests:
+            engine.add_request(r)
+        outputs, peak_active, steps = [], 0, 0
+        while engine.has_unfinished():
+            before = len(batch_sizes)
+            outputs.extend(engine.step())
+            steps += 1
+            assert len(batch_sizes) - before <= 2  # one decode forward + at most one prefill
+            peak_active = max(peak_active, engine.load().active)
+    finally:
+        hook.remove()
+    assert peak_active == 4
+    assert max(batch_sizes) == 4  # decode really ran the slots together
+    assert sorted(o.request_id for o in outputs) == sorted(r.request_id for r in requests)
+    by_id = {o.request_id: o for o in outputs}
+    for r in requests:
+        out = by_id[r.request_id]
+        expected = greedy_reference(model64, r.prompt_token_ids, r.params.max_tokens)
+        assert out.token_ids == expected, r.request_id
+        assert out.finish_reason == "length"
+        assert out.prompt_token_ids == r.prompt_token_ids
+        assert out.policy_version == 0 and out.simulated is False
+    # fewer steps than one-at-a-time decoding would need
+    assert steps < sum(r.params.max_tokens for r in requests)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_match_teacher_forced_forward(model, temperature):
+    engine = TorchEngine(model, max_batch=3, eos_token_ids=())
+    requests = [
+        GenerationRequest(
+            r.request_id,
+            r.prompt_token_ids,
+            SamplingParams(temperature=temperature, max_tokens=r.params.max_tokens + 4, seed=i),
+        )
+        for i, r in enumerate(_requests(5, seed=2))
+    ]
+    for out, req in zip(engine.run_until_done(requests), requests):
+        assert len(out.logprobs) == len(out.token_ids) == req.params.max_tokens
+        ref = teacher_forced_logprobs(model, req.prompt_token_ids, out.token_ids, temperature)
+        got = torch.tensor(out.logprobs, dtype=torch.float64)
+        assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+
+
+def test_top_k_one_equals_greedy(model):
+    greedy = TorchEngine(model, max_batch=4, eos_token_ids=())
+    topk = TorchEngine(model, max_batch=4, eos_token_ids=())
+    base = _requests(6, seed=3)
+    g = greedy.run_until_done(base)
+    k = topk.run_until_done(
+        [
+            GenerationRequest(
+                r.request_id,
+                r.prompt_token_ids,
+                SamplingParams(temperature=1.3, top_k=1, max_tokens=r.params.max_tokens),
+            )
+            for r in base
+        ]
+    )
+    assert [o.token_ids for o in g] == [o.token_ids for o in k]
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(model):
+    params = SamplingParams(temperature=1.5, max_tokens=30, seed=1234)
+    target = GenerationRequest("target", [3, 1, 4, 1, 5], params)
+    alone = TorchEngine(model, max_batch=1, eos_token_ids=()).run_until_done([target])[0]
+    crowd = TorchEngine(model, max_batch=4, eos_token_ids=(), seed=99)
+    others = _requests(5, seed=4, temperature=1.0)
+    mixed = {o.request_id: o for o in crowd.run_until_done([*others, target])}
+    assert mixed["target"].token_ids == alone.token_ids
+    other_seed = GenerationRequest(
+        "other", [3, 1, 4, 1, 5], SamplingParams(temperature=1.5, max_tokens=30, seed=4321)
+    )
+    differs = TorchEngine(model, max_batch=1, eos_token_ids=()).run_until_done([other_seed])[0]
+    assert differs.token_ids != alone.token_ids
+
+
+def test_unseeded_sampling_follows_engine_seed(model):
+    reqs = _requests(3, seed=5, temperature=1.0)
+    a = TorchEngine(model, max_batch=3, eos_token_ids=(), seed=7).run_until_done(reqs)
+    b = TorchEngine(model, max_batch=3, eos_token_ids=(), seed=7).run_until_done(reqs)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_stop_tokens_end_the_response_and_are_included(model):
+    prompt = [5, 6, 7]
+    free = greedy_reference(model, prompt, 12)
+    stop_at = next(i for i in range(2, 12) if free[i] not in free[:i])
+    stop = free[stop_at]
+    req = GenerationRequest(
+        "s", prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])
+    )
+    out = TorchEngine(model, eos_token_ids=()).run_until_done([req])[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free[: stop_at + 1]
+    assert len(out.logprobs) == stop_at + 1
+    # the same token as the engine's EOS
+    plain = GenerationRequest("e", prompt, SamplingParams(temperature=0, max_tokens=12))
+    eos_out = TorchEngine(model, eos_token_ids=[stop]).run_until_done([plain])[0]
+    assert eos_out.finish_reason == "stop" and eos_out.token_ids == out.token_ids
+
+
+def test_max_tokens_and_context_length_cap_the_response(model):
+    engine = TorchEngine(model, eos_token_ids=())
+    short = GenerationRequest("m", [1, 2], SamplingParams(temperature=0, max_tokens=5))
+    near_end = GenerationRequest(
+        "c", [i % VOCAB for i in range(CONTEXT - 3)], SamplingParams(temperature=0, max_tokens=50)
+    )
+    out = {o.request_id: o for o in engine.run_until_done([short, near_end])}
+    assert len(out["m"].token_ids) == 5 and out["m"].finish_reason == "length"
+    assert len(out["c"].token_ids) == 3 and out["c"].finish_reason == "length"
+
+
+def test_overlong_prompt_is_refused_with_lengths(model):
+    engine = TorchEngine(model, context_length=32)
+    with pytest.raises(EngineError) as err:
+        engine.add_request(GenerationRequest("too-long", [1] * 32, SamplingParams()))
+    msg = str(err.value)
+    assert "too-long" in msg and "32 tokens" in msg and "context_length 32" in msg
+    engine.add_request(GenerationRequest("fits", [1] * 31, SamplingParams(max_tokens=4)))
+    out = engine.run_until_done([])[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+
+
+def test_bad_requests_are_refused(model):
+    engine = TorchEngine(model)
+    engine.add_request(GenerationRequest("dup", [1], SamplingParams(max_tokens=2)))
+    with pytest.raises(EngineError, match="already unfinished"):
+        engine.add_request(GenerationRequest("dup", [2], SamplingParams()))
+    with pytest.raises(EngineError, match=f"token id {VOCAB}.*vocabulary of {VOCAB}"):
+        engine.add_request(GenerationRequest("oov", [1, VOCAB], SamplingParams()))
+    with pytest.raises(ValueError, match="context_length .* exceeds"):
+        TorchEngine(model, context_length=CONTEXT + 1)
+
+
+def test_load_reports_cached_tokens(model):
+    engine = TorchEngine(model, max_batch=2, eos_token_ids=())
+    for rid, n in (("a", 5), ("b", 7), ("c", 3)):
+        engine.add_request(GenerationRequest(rid, list(range(n)), SamplingParams(max_tokens=10)))
+    load = engine.load()
+    assert (load.active, load.queued, load.kv_used_tokens) == (0, 3, 0)
+    engine.step()  # prefill a and b
+    load = engine.load()
+    assert (load.active, load.queued, load.kv_used_tokens) == (2, 1, 12)
+    assert load.kv_capacity_tokens == 2 * CONTEXT and load.free_slots == 0
+    engine.step()  # one decode token each
+    assert engine.load().kv_used_tokens == 14
+    progress = {p.request_id: p for p in engine.progress()}
+    assert len(progress["a"].token_ids) == 2 and progress["c"].token_ids == []
+    assert all(p.policy_version == 0 for p in progress.values())
+
+
+def test_load_weights_is_refused_while_busy_and_versions_increase(model):
+    engine = TorchEngine(_build(seed=1), max_batch=2, eos_token_ids=())
+    new_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.add_request(GenerationRequest("x", [1, 2, 3], SamplingParams(max_tokens=4)))
+    engine.step()
+    with pytest.raises(EngineError, match="cannot load weights v1 while 1 requests are active"):
+        engine.load_weights(1, new_weights.items())
+    first = engine.run_until_done([])
+    assert first[0].policy_version == 0
+    engine.load_weights(1, new_weights.items())
+    assert engine.weight_version == 1
+    assert torch.equal(engine.model.lm_head.weight, model.lm_head.weight)
+    req = GenerationRequest("y", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6))
+    out = engine.run_until_done([req])[0]
+    assert out.policy_version == 1
+    assert out.token_ids == greedy_reference(model, [1, 2, 3], 6)
+    for stale in (1, 0):
+        with pytest.raises(EngineError, match="regression"):
+            engine.load_weights(stale, new_weights.items())
+
+
+@pytest.mark.parametrize(
+    ("name", "tensor", "match"),
+    [
+        ("no.such.weight", torch.zeros(1), "'no.such.weight' is not a parameter"),
+        ("lm_head.weight", torch.zeros(3, 3), r"'lm_head.weight' has shape \(3, 3\)"),
+        ("lm_head.weight", torch.zeros(VOCAB, 64, dtype=torch.float64), "has dtype torch.float64"),
+    ],
+)
+def test_load_weights_rejects_mismatched_tensors(model, name, tensor, match):
+    engine = TorchEngine(_build(seed=2))
+    with pytest.raises(EngineError, match=match):
+        engine.load_weights(1, [(name, tensor)])
+    assert engine.weight_version == 0
+    with pytest.raises(EngineError, match="last load_weights failed"):
+        engine.add_request(GenerationRequest("r", [1], SamplingParams()))
+    engine.load_weights(1, model.state_dict().items())
+    engine.add_request(GenerationRequest("r", [1], SamplingParams(max_tokens=1)))
+    assert engine.run_until_done([])[0].policy_version == 1
+
+
+def test_exported_request_resumes_on_same_version_engine(model):
+    req = GenerationRequest("mig", [9, 8, 7, 6], SamplingParams(temperature=0, max_tokens=20))
+    uninterrupted = TorchEngine(model, eos_token_ids=()).run_until_done([req])[0]
+
+    source = TorchEngine(model, max_batch=2, eos_token_ids=())
+    source.add_request(req)
+    source.add_request(GenerationRequest("other", [2], SamplingParams(max_tokens=50)))
+    source.add_request(GenerationRequest("queued", [1], SamplingParams(max_tokens=3)))
+    for _ in range(7):
+        assert source.step() == []
+    exported = {r.request_id: r for r in source.export(["mig", "queued"])}
+    assert [p.request_id for p in source.progress()] == ["other"]
+    moved = exported["mig"]
+    assert moved.policy_version == 0 and len(moved.resume_token_ids) == 7
+    assert moved.resume_token_ids == uninterrupted.token_ids[:7]
+    assert exported["queued"].resume_token_ids == [] and exported["queued"].policy_version is None
+
+    destination = TorchEngine(model, max_batch=3, eos_token_ids=())
+    destination.add_request(GenerationRequest("busy", [4, 4], SamplingParams(max_tokens=9)))
+    destination.step()
+    resumed = {o.request_id: o for o in destination.run_until_done([moved])}["mig"]
+    assert resumed.token_ids == uninterrupted.token_ids
+    assert resumed.num_resumed == 7 and resumed.finish_reason == "length"
+    assert torch.allclose(
+        torch.tensor(resumed.logprobs), torch.tensor(uninterrupted.logprobs), atol=1e-4
+    )
+
+    elsewhere = TorchEngine(model, weight_version=1)
+    with pytest.raises(EngineError, match="policy v0 but this engine holds v1"):
+        elsewhere.add_request(moved)
+
+
+def test_export_unknown_id_exports_nothing(model):
+    engine = TorchEngine(model)
+    engine.add_request(GenerationRequest("a", [1], SamplingParams(max_tokens=3)))
+    with pytest.raises(EngineError, match="'nope'"):
+        engine.export(["a", "nope"])
+    assert engine.has_unfinished()
+    aborted = engine.abort()
+    assert [(o.request_id, o.finish_reason) for o in aborted] == [("a", "aborted")]
+    assert not engine.has_unfinished()
+
+
+def test_complete_resumed_request_finishes_without_compute(model):
+    engine = TorchEngine(model, eos_token_ids=())
+    req = GenerationRequest(
+        "done",
+        [1, 2],
+        SamplingParams(max_tokens=3),
+        resume_token_ids=[4, 5, 6],
+        resume_logprobs=[-1.0, -2.0, -3.0],
+        policy_version=0,
+    )
+    calls: list[int] = []
+    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        out = engine.run_until_done([req])[0]
+    finally:
+        hook.remove()
+    assert calls == []
+    assert out.token_ids == [4, 5, 6] and out.logprobs == [-1.0, -2.0, -3.0]
+    assert out.finish_reason == "length" and out.num_resumed == 3
+
+
+def test_loads_from_a_local_directory(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    engine = make_engine("torch", model=str(tmp_path), max_batch=2, eos_token_ids=())
+    req = GenerationRequest("d", [3, 3, 3], SamplingParams(temperature=0, max_tokens=8))
+    assert engine.run_until_done([req])[0].token_ids == greedy_reference(model, [3, 3, 3], 8)
+    with pytest.raises(EngineError, match="cannot load a causal LM"):
+        TorchEngine(str(tmp_path / "missing"))
+
+
+def test_make_engine_kinds():
+    assert make_engine("simulated", max_batch=2).load().max_batch == 2
+    with pytest.raises(ValueError, match="unknown engine kind 'tpu'"):
+        make_engine("tpu")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(EngineError, match="needs vLLM"):
+            make_engine("vllm", model="x")
