@@ -86,3 +86,14 @@ def test_campaign_needs_registration(store):
 def test_jobs_are_isolated(store):
     InMemoryCoordinator(store, "a").register(MemberRecord(member_id="w", role="worker"))
     assert InMemoryCoordinator(store, "b").members() == {}
+
+
+def test_new_watch_replays_existing_members_and_latest(store):
+    a = InMemoryCoordinator(store, "job")
+    a.register(MemberRecord(member_id="w1", role="worker"))
+    a.publish_version(VersionRecord(version=4))
+    seen, latest = [], []
+    a.watch_members(lambda ev: seen.append((ev.kind, ev.member_id)))
+    a.watch_latest(lambda rec: latest.append(rec.version))
+    assert seen == [("put", "w1")]
+    assert latest == [4]

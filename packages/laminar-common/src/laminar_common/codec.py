@@ -163,11 +163,18 @@ class WorkerReport(_Msg, tag="report"):
 
 
 class Command(_Msg, tag="command"):
-    """Manager -> worker control: ``export`` (repack), ``pull`` (weights), ``stop``."""
+    """Control between manager and worker.
+
+    Manager -> worker: ``pull`` (load weight ``version`` once idle), ``export``
+    (hand ``trajectory_ids`` back for migration), ``acked`` (the trainer durably
+    consumed these; drop them from the outbox). Worker -> manager: ``rejected``
+    (these cannot be generated; ``reason`` says why).
+    """
 
     action: str
     trajectory_ids: tuple[str, ...] = ()
     version: int = -1
+    reason: str = ""
 
 
 class TensorSpec(_Msg, tag="tensor"):

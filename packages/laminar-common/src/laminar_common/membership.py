@@ -15,7 +15,8 @@ Invariants:
 - A member whose ``PROTOCOL_VERSION`` differs from the job's is refused at
   registration with :class:`ProtocolError`.
 - Watch callbacks see every member change at least as a coalesced diff, even
-  across etcd restarts and compaction (the watch resyncs by listing).
+  across etcd restarts and compaction (the watch resyncs by listing). A new
+  watch starts by reporting what already exists as ``put`` events.
 """
 
 from __future__ import annotations
@@ -341,7 +342,11 @@ class InMemoryCoordinator(Coordinator):
             r, mid = self.keys.parse_member(key)
             callback(MembershipEvent(kind, r, mid, decode_member(value, key) if value else None))
 
-        wid = self.store.watch(self.keys.members(role), on_change)
+        with self.store._lock:
+            # Like the etcd watch, start by replaying what already exists.
+            for key, raw in sorted(self.store.get_prefix(self.keys.members(role)).items()):
+                on_change(key, "put", raw)
+            wid = self.store.watch(self.keys.members(role), on_change)
         handle = WatchHandle(lambda: self.store.cancel(wid))
         self._watches.append(handle)
         return handle
@@ -370,7 +375,11 @@ class InMemoryCoordinator(Coordinator):
             if k == key and value is not None:
                 callback(decode_version(value, key))
 
-        wid = self.store.watch(key, on_change)
+        with self.store._lock:
+            current = self.store.get(key)
+            if current is not None:
+                on_change(key, "put", current)
+            wid = self.store.watch(key, on_change)
         handle = WatchHandle(lambda: self.store.cancel(wid))
         self._watches.append(handle)
         return handle

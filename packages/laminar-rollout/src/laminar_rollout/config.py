@@ -1,0 +1,180 @@
+"""Config of the rollout tier: ``WorkerConfig`` (``serve``) and ``ManagerConfig`` (``manage``).
+
+Each is one frozen pydantic model; the engine is a discriminated union on
+``type`` (``torch | simulated | vllm``). Components never receive these
+models: ``make_*`` builders turn them into plain constructor arguments.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig
+
+__all__ = [
+    "TorchEngineConfig",
+    "SimulatedEngineConfig",
+    "VllmEngineConfig",
+    "EngineConfig",
+    "SamplingConfig",
+    "WorkerConfig",
+    "ManagerConfig",
+    "RepackConfig",
+    "Mode",
+]
+
+Mode = Literal["sync", "one-step", "laminar"]
+
+
+class TorchEngineConfig(LaminarModel):
+    """The torch engine: a transformers causal LM with continuous batching."""
+
+    type: Literal["torch"] = "torch"
+    model_dir: str
+    """Directory with a save_pretrained model and tokenizer."""
+    max_batch: int = Field(default=8, ge=1)
+    """Decode slots (sequences generated together)."""
+    context_length: int | None = Field(default=None, ge=2)
+    """Prompt + response limit (default: the model's max positions)."""
+    device: str = "cpu"
+    """torch device, e.g. cpu or cuda:0."""
+    threads: int = Field(default=1, ge=1)
+    """torch intra-op threads (small models on shared CPUs prefer 1)."""
+    seed: int = 0
+    """Sampling seed of the engine."""
+
+
+class SimulatedEngineConfig(LaminarModel):
+    """The simulated engine (scheduling benchmarks): every output is labelled simulated."""
+
+    type: Literal["simulated"] = "simulated"
+    max_batch: int = Field(default=64, ge=1)
+    """Decode slots."""
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    """KV-cache capacity in tokens (default: unbounded by KV)."""
+    median_length: int = Field(default=256, ge=1)
+    """Median response length in tokens."""
+    tail_ratio: float = Field(default=10.0, ge=1.0)
+    """p99 / median of response lengths."""
+    max_length: int = Field(default=16384, ge=1)
+    """Cap on response length."""
+    step_time_base: float = Field(default=0.02, ge=0)
+    """Decode step time a in a + b * active_batch (seconds)."""
+    step_time_per_seq: float = Field(default=0.0005, ge=0)
+    """Decode step time b per active sequence (seconds)."""
+    prefill_time_per_token: float = Field(default=2e-5, ge=0)
+    """Prefill cost per prompt (or re-prefilled) token (seconds)."""
+    vocab_size: int = Field(default=32000, ge=2)
+    """Token ids are drawn below this."""
+    seed: int = 0
+    """Seed of lengths and tokens."""
+
+
+class VllmEngineConfig(LaminarModel):
+    """The vLLM engine (GPU; install laminar-rollout[vllm])."""
+
+    type: Literal["vllm"] = "vllm"
+    model_dir: str
+    """Directory with a Hugging Face model."""
+    max_batch: int = Field(default=256, ge=1)
+    """vLLM max_num_seqs."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take."""
+    context_length: int | None = Field(default=None, ge=2)
+    """vLLM max_model_len."""
+    seed: int = 0
+    """Sampling seed."""
+
+
+EngineConfig = Annotated[
+    TorchEngineConfig | SimulatedEngineConfig | VllmEngineConfig, Field(discriminator="type")
+]
+
+
+class SamplingConfig(LaminarModel):
+    """Sampling parameters sent with every prompt."""
+
+    max_tokens: int = Field(default=64, ge=1)
+    """Response token budget."""
+    temperature: float = Field(default=1.0, ge=0)
+    """0 is greedy."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=0, ge=0)
+    """0 turns top-k off."""
+
+
+class WorkerConfig(LaminarModel):
+    """Config of ``laminar-rollout serve`` (one generation worker)."""
+
+    job: str = "laminar"
+    """Job name: all etcd keys live under /laminar/<job>/."""
+    worker_id: str = Field(default_factory=lambda: f"worker-{socket.gethostname()}")
+    """Member id, unique in the job."""
+    engine: EngineConfig = SimulatedEngineConfig()
+    """Which engine generates."""
+    reward: str = "laminar_rollout.rewards:synthetic_task"
+    """Reward function as module:function; called (metadata, completion) -> float."""
+    report_interval_s: float = Field(default=0.5, gt=0)
+    """How often load reports and partial progress go to the manager."""
+    outbox_capacity: int = Field(default=4096, ge=1)
+    """Finished trajectories kept until the trainer's durable ack; full = take no prompts."""
+    relay: str | None = None
+    """A relay's gRPC host:port to fetch weights from (default: found through etcd)."""
+    fetch_timeout_s: float = Field(default=120.0, gt=0)
+    """How long one weight fetch may take."""
+    etcd: EtcdConfig = EtcdConfig()
+    """etcd connection and lease."""
+    logging: LoggingConfig = LoggingConfig()
+    """Log level and format."""
+
+
+class RepackConfig(LaminarModel):
+    """Dynamic repack (laminar mode only)."""
+
+    enabled: bool = True
+    """Consolidate long-tail trajectories of stale workers onto few workers."""
+    interval_s: float = Field(default=5.0, gt=0)
+    """Periodic check interval; a check also runs right after each new version."""
+    min_sources: int = Field(default=1, ge=1)
+    """Do nothing unless at least this many workers would be emptied."""
+
+
+class ManagerConfig(LaminarModel):
+    """Config of ``laminar-rollout manage`` (prompt pool, dispatch, accounting)."""
+
+    job: str = "laminar"
+    """Job name."""
+    manager_id: str = "manager"
+    """Member id of the manager."""
+    prompts: str
+    """Prompt file: JSONL (one {"id","prompt",...} object a line) or parquet."""
+    group_size: int = Field(default=4, ge=1)
+    """Samples per prompt (a GRPO group)."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling parameters of every trajectory."""
+    mode: Mode = "laminar"
+    """sync | one-step | laminar (see DESIGN.md, Scheduling modes)."""
+    batch_groups: int = Field(default=8, ge=1)
+    """Groups per global batch in sync and one-step modes."""
+    max_prompts: int | None = Field(default=None, ge=1)
+    """Stop dispatching after this many prompts (default: the whole file, once)."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the prompt file."""
+    listen: str = "tcp://127.0.0.1:0"
+    """ZeroMQ endpoint workers connect to."""
+    ack_listen: str = "tcp://127.0.0.1:0"
+    """ZeroMQ endpoint the trainer sends acks to."""
+    state_dir: str | None = None
+    """Where the cursor and ledger are saved (resume after a manager restart)."""
+    worker_timeout_s: float = Field(default=10.0, gt=0)
+    """A worker silent this long (or whose lease expired) is considered dead."""
+    repack: RepackConfig = RepackConfig()
+    """Dynamic repack."""
+    etcd: EtcdConfig = EtcdConfig()
+    """etcd connection and lease."""
+    logging: LoggingConfig = LoggingConfig()
+    """Log level and format."""

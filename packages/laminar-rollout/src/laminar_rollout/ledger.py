@@ -1,0 +1,284 @@
+"""Exactly-once accounting of trajectories: the manager's ledger.
+
+Every trajectory (one sample of one prompt's GRPO group) is in exactly one
+state::
+
+    pending ──dispatch──> dispatched(worker) ──finished──> done(worker) ──durable ack──> acked
+       ^                        │                              │
+       └──── worker lost / exported (resume tokens kept) ─────┘
+    rejected  (terminal: the prompt cannot be generated, e.g. longer than the context)
+
+Invariants:
+
+- A trajectory id is created once (from its prompt id and sample index) and
+  its state only moves along the arrows above; ``acked`` and ``rejected`` are
+  final. A report that does not fit (a worker finishing something it no
+  longer holds) is counted as ``stale`` and changes nothing.
+- Work of a lost worker goes back to ``pending``: unfinished trajectories keep
+  their generated tokens and policy version (resumable on a worker at that
+  version); finished-but-unacked ones are generated again. The trainer
+  deduplicates by trajectory id, so re-generation can never train an id twice.
+- Nothing here does I/O: it is a pure state machine, persisted by the caller
+  through :meth:`snapshot` / :meth:`restore`.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from laminar_common.codec import PromptTask, SamplingSpec
+
+from .prompts import PromptRecord
+
+__all__ = ["TrajectoryLedger", "Entry", "PENDING", "DISPATCHED", "DONE", "ACKED", "REJECTED"]
+
+PENDING, DISPATCHED, DONE, ACKED, REJECTED = "pending", "dispatched", "done", "acked", "rejected"
+STATES = (PENDING, DISPATCHED, DONE, ACKED, REJECTED)
+
+
+@dataclass
+class Entry:
+    task: PromptTask
+    state: str = PENDING
+    worker: str | None = None
+    dispatches: int = 0
+    partial_tokens: tuple[int, ...] = ()
+    partial_logprobs: tuple[float, ...] = ()
+    partial_version: int = -1
+    reason: str = ""
+
+
+@dataclass
+class LedgerCounters:
+    stale_reports: int = 0
+    resumed: int = 0
+    restarted: int = 0
+    migrated: int = 0
+    acks_unknown: int = 0
+    by_state: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+def trajectory_id(prompt_id: str, sample_index: int) -> str:
+    return f"{prompt_id}#{sample_index}"
+
+
+class TrajectoryLedger:
+    """The state of every trajectory of a run (see module docstring)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Entry] = {}
+        self._pending: collections.deque[str] = collections.deque()
+        self.counters = LedgerCounters()
+
+    # -- creation -------------------------------------------------------------
+
+    def add_group(self, record: PromptRecord, group_size: int, sampling: SamplingSpec,
+                  batch: int = -1) -> list[str]:
+        """Create the ``group_size`` trajectories of one prompt, all pending."""
+        ids = []
+        meta = dict(record.metadata)
+        if batch >= 0:
+            meta["batch"] = str(batch)
+        for i in range(group_size):
+            tid = trajectory_id(record.prompt_id, i)
+            if tid in self.entries:
+                raise ValueError(f"trajectory {tid!r} already exists: prompt ids must be unique")
+            task = PromptTask(trajectory_id=tid, prompt_id=record.prompt_id,
+                              group_size=group_size, sample_index=i, prompt=record.prompt,
+                              metadata=meta, sampling=sampling)
+            self.entries[tid] = Entry(task)
+            self.counters.by_state[PENDING] += 1
+            self._pending.append(tid)
+            ids.append(tid)
+        return ids
+
+    # -- transitions ----------------------------------------------------------
+
+    def _move(self, entry: Entry, state: str) -> None:
+        self.counters.by_state[entry.state] -= 1
+        self.counters.by_state[state] += 1
+        entry.state = state
+
+    def pending_count(self) -> int:
+        return self.counters.by_state[PENDING]
+
+    def take_pending(self, worker: str, version: int, limit: int) -> list[PromptTask]:
+        """Dispatch up to ``limit`` pending trajectories to ``worker`` (at ``version``).
+
+        Resumable trajectories go only to a worker at their policy version;
+        others are skipped (they stay pending, in order).
+        """
+        out: list[PromptTask] = []
+        skipped: list[str] = []
+        while self._pending and len(out) < limit:
+            tid = self._pending.popleft()
+            entry = self.entries[tid]
+            if entry.state != PENDING:
+                continue
+            if entry.partial_tokens and entry.partial_version != version:
+                skipped.append(tid)
+                continue
+            out.append(self._dispatch(entry, worker))
+        self._pending.extendleft(reversed(skipped))
+        return out
+
+    def take_specific(self, tid: str, worker: str, version: int) -> PromptTask | None:
+        """Dispatch one pending trajectory to a chosen worker (migration, recovery)."""
+        entry = self.entries.get(tid)
+        if entry is None or entry.state != PENDING:
+            return None
+        if entry.partial_tokens and entry.partial_version != version:
+            return None
+        return self._dispatch(entry, worker)
+
+    def _dispatch(self, entry: Entry, worker: str) -> PromptTask:
+        task = entry.task
+        if entry.partial_tokens:
+            task = _with_resume(task, entry)
+            self.counters.resumed += 1
+        self._move(entry, DISPATCHED)
+        entry.worker = worker
+        entry.dispatches += 1
+        return task
+
+    def pending_resumable(self) -> list[tuple[str, int]]:
+        """Pending trajectories that carry tokens, with the version that made them."""
+        return [(t, self.entries[t].partial_version) for t in self._pending
+                if self.entries[t].state == PENDING and self.entries[t].partial_tokens]
+
+    def restart_unresumable(self, live_versions: set[int]) -> int:
+        """Drop resume tokens of pending trajectories no live worker can continue."""
+        n = 0
+        for tid in self._pending:
+            entry = self.entries[tid]
+            if entry.state == PENDING and entry.partial_tokens and \
+                    entry.partial_version not in live_versions:
+                _clear_partial(entry)
+                self.counters.restarted += 1
+                n += 1
+        return n
+
+    def record_partial(self, tid: str, worker: str, version: int, tokens: tuple[int, ...],
+                       logprobs: tuple[float, ...]) -> bool:
+        entry = self.entries.get(tid)
+        if entry is None or entry.state != DISPATCHED or entry.worker != worker:
+            self.counters.stale_reports += 1
+            return False
+        if len(tokens) >= len(entry.partial_tokens):
+            entry.partial_tokens, entry.partial_logprobs = tokens, logprobs
+            entry.partial_version = version
+        return True
+
+    def mark_done(self, tid: str, worker: str) -> bool:
+        entry = self.entries.get(tid)
+        if entry is None or entry.state != DISPATCHED or entry.worker != worker:
+            self.counters.stale_reports += 1
+            return False
+        self._move(entry, DONE)
+        return True
+
+    def mark_rejected(self, tid: str, worker: str, reason: str) -> bool:
+        entry = self.entries.get(tid)
+        if entry is None or entry.state != DISPATCHED or entry.worker != worker:
+            self.counters.stale_reports += 1
+            return False
+        self._move(entry, REJECTED)
+        entry.reason = reason
+        return True
+
+    def mark_acked(self, tid: str) -> str | None:
+        """Durable trainer ack; returns the worker to notify (if any)."""
+        entry = self.entries.get(tid)
+        if entry is None:
+            self.counters.acks_unknown += 1
+            return None
+        if entry.state in (ACKED, REJECTED):
+            return None
+        worker = entry.worker
+        self._move(entry, ACKED)
+        _clear_partial(entry)
+        return worker
+
+    def requeue_exported(self, task: PromptTask, worker: str) -> bool:
+        """A worker handed a trajectory back (repack): pending again, with its tokens."""
+        entry = self.entries.get(task.trajectory_id)
+        if entry is None or entry.state != DISPATCHED or entry.worker != worker:
+            self.counters.stale_reports += 1
+            return False
+        entry.partial_tokens = tuple(task.resume_token_ids)
+        entry.partial_logprobs = tuple(task.resume_logprobs)
+        entry.partial_version = task.policy_version if task.resume_token_ids else -1
+        self._move(entry, PENDING)
+        entry.worker = None
+        self._pending.appendleft(task.trajectory_id)
+        self.counters.migrated += 1
+        return True
+
+    def worker_lost(self, worker: str) -> tuple[list[str], list[str]]:
+        """Send a dead worker's unacked work back to pending.
+
+        Returns:
+            (resumable ids that keep their tokens, ids to generate again).
+        """
+        resumable, again = [], []
+        for tid, entry in self.entries.items():
+            if entry.worker != worker or entry.state not in (DISPATCHED, DONE):
+                continue
+            if entry.state == DONE:
+                _clear_partial(entry)
+                again.append(tid)
+            elif entry.partial_tokens:
+                resumable.append(tid)
+            else:
+                again.append(tid)
+            self._move(entry, PENDING)
+            entry.worker = None
+        for tid in reversed(resumable + again):
+            self._pending.appendleft(tid)
+        return resumable, again
+
+    # -- queries --------------------------------------------------------------
+
+    def held_by(self, worker: str) -> list[str]:
+        return [t for t, e in self.entries.items() if e.worker == worker and e.state == DISPATCHED]
+
+    def assigned(self, worker: str) -> int:
+        return sum(1 for e in self.entries.values() if e.worker == worker and e.state == DISPATCHED)
+
+    def counts(self) -> dict[str, int]:
+        return {s: self.counters.by_state[s] for s in STATES}
+
+    def settled(self) -> bool:
+        """Every trajectory created so far is acked or rejected."""
+        c = self.counters.by_state
+        return c[PENDING] == c[DISPATCHED] == c[DONE] == 0
+
+    def batch_done(self, batch: int) -> bool:
+        """Every trajectory of ``batch`` has finished generating (done, acked or rejected)."""
+        key = str(batch)
+        return all(e.state not in (PENDING, DISPATCHED) for e in self.entries.values()
+                   if e.task.metadata.get("batch") == key)
+
+    # -- persistence ----------------------------------------------------------
+
+    def snapshot(self) -> dict[str, list[str]]:
+        """States of every trajectory, for a manager restart (tokens are not kept)."""
+        out: dict[str, list[str]] = {s: [] for s in STATES}
+        for tid, entry in self.entries.items():
+            out[entry.state].append(tid)
+        return out
+
+
+def _with_resume(task: PromptTask, entry: Entry) -> PromptTask:
+    return PromptTask(
+        trajectory_id=task.trajectory_id, prompt_id=task.prompt_id, group_size=task.group_size,
+        sample_index=task.sample_index, prompt=task.prompt,
+        prompt_token_ids=task.prompt_token_ids, metadata=task.metadata, sampling=task.sampling,
+        resume_token_ids=entry.partial_tokens, resume_logprobs=entry.partial_logprobs,
+        policy_version=entry.partial_version,
+    )
+
+
+def _clear_partial(entry: Entry) -> None:
+    entry.partial_tokens, entry.partial_logprobs, entry.partial_version = (), (), -1

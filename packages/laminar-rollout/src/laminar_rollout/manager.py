@@ -1,0 +1,397 @@
+"""The rollout manager (``laminar-rollout manage``): prompt pool, dispatch, accounting.
+
+Owns the prompt cursor, the :class:`~laminar_rollout.ledger.TrajectoryLedger`,
+the view of every worker, and the scheduling loop. Workers connect over a
+ZeroMQ ROUTER socket (hello handshake); the trainer sends durable acks to a
+PULL socket. The manager registers in etcd (role ``manager``) with both
+addresses, watches worker membership and ``weights/latest``.
+
+One thread owns both sockets and the ledger (no locks around them); etcd
+watch callbacks only post events to a queue that this thread drains.
+
+Invariants: every trajectory is accounted for exactly once (see the ledger);
+the manager never asks a worker holding trajectories to change weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+
+from laminar_common import codec
+from laminar_common.codec import Command, PartialProgress, PromptTask, SamplingSpec, WorkerReport
+from laminar_common.etcd import make_coordinator
+from laminar_common.membership import MemberRecord, MembershipEvent, VersionRecord
+from laminar_common.service import Service
+from laminar_common.transport import TransportError, ZmqPullReceiver, ZmqServer
+
+from .config import ManagerConfig
+from .ledger import TrajectoryLedger
+from .prompts import PromptCursor, load_prompt_file
+from .repack import WorkerLoad, plan_repack
+from .scheduling import WorkerView, plan_barrier, plan_laminar, required_version
+from .version import __version__
+
+__all__ = ["ManagerService"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    version: int = -1
+    capacity: int = 0
+    active: int = 0
+    queued: int = 0
+    kv_used: int = 0
+    kv_capacity: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    pulling: int | None = None
+    active_history: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ManagerStats:
+    dispatched: int = 0
+    acks: int = 0
+    workers_lost: int = 0
+    repacks: int = 0
+    repack_migrated: int = 0
+    repack_seconds: float = 0.0
+    pulls_commanded: int = 0
+    recovery_seconds: list[float] = field(default_factory=list)
+
+
+class ManagerService(Service):
+    """See module docstring."""
+
+    name = "manager"
+
+    def __init__(self, config: ManagerConfig, coordinator=None) -> None:
+        super().__init__()
+        self.config = config
+        self.coordinator = coordinator
+        self.ledger = TrajectoryLedger()
+        self.records = load_prompt_file(config.prompts)
+        self.cursor = PromptCursor(self.records, config.epochs, config.max_prompts)
+        self.sampling = SamplingSpec(**config.sampling.model_dump())
+        self.workers: dict[str, WorkerState] = {}
+        self.latest = 0
+        self.batch = -1
+        self.stats = ManagerStats()
+        self._events: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._migrations: dict[str, str] = {}
+        self._last_repack = time.monotonic()
+        self._last_state_write = 0.0
+        self._last_log = 0.0
+        self._drained_announced = False
+        self.server: ZmqServer | None = None
+        self.acks: ZmqPullReceiver | None = None
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def _start(self) -> None:
+        self.server = ZmqServer(self.config.listen, member_id=self.config.manager_id)
+        self.acks = ZmqPullReceiver(self.config.ack_listen, expect=codec.Ack)
+        if self.coordinator is None:
+            self.coordinator = make_coordinator(self.config.etcd, self.config.job)
+        self.coordinator.watch_members(self._on_member, role="worker")
+        self.coordinator.watch_latest(lambda rec: self._events.put(("latest", rec)))
+        latest = self.coordinator.latest_version()
+        if latest is not None:
+            self.latest = latest.version
+        self.coordinator.register(MemberRecord(
+            member_id=self.config.manager_id, role="manager", address=self.server.endpoint,
+            package_version=__version__, extra={"ack": self.acks.endpoint, "mode": self.config.mode},
+        ))
+        log.info("manager %s: %d prompts x %d samples, mode %s, workers at %s, acks at %s",
+                 self.config.manager_id, len(self.records), self.config.group_size,
+                 self.config.mode, self.server.endpoint, self.acks.endpoint)
+        print(f"MANAGER READY {self.server.endpoint} acks={self.acks.endpoint}", flush=True)
+        self.spawn(self._loop, "loop")
+
+    def _close(self) -> None:
+        self._write_state(force=True)
+        if self.coordinator is not None:
+            self.coordinator.close()
+        for sock in (self.server, self.acks):
+            if sock is not None:
+                sock.close()
+
+    def _on_member(self, event: MembershipEvent) -> None:
+        self._events.put(("member", event))
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        assert self.server is not None and self.acks is not None
+        while not self.stopping.is_set():
+            self._drain_events()
+            item = self.server.recv(timeout_s=0.01)
+            while item is not None:
+                self._handle(*item)
+                item = self.server.recv(timeout_s=0)
+            ack = self.acks.recv(timeout_s=0)
+            while ack is not None:
+                self._handle_ack(ack)
+                ack = self.acks.recv(timeout_s=0)
+            self._expire_silent_workers()
+            self._schedule()
+            self._maybe_repack()
+            self._write_state()
+            self._log_progress()
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                kind, payload = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "latest":
+                assert isinstance(payload, VersionRecord)
+                if payload.version > self.latest:
+                    self.latest = payload.version
+                    self._maybe_repack(force=True)
+            elif kind == "member":
+                assert isinstance(payload, MembershipEvent)
+                if payload.kind == "delete" and payload.member_id in self.workers:
+                    self._worker_lost(payload.member_id, "lease expired")
+
+    def _handle(self, peer: str, msg: codec.Message) -> None:
+        if isinstance(msg, codec.Hello):
+            if peer in self.workers:
+                # A restarted worker with the same id: whatever it held is gone.
+                self._worker_lost(peer, "reconnected")
+            self.workers[peer] = WorkerState(peer, capacity=msg.capacity)
+            log.info("worker %s joined (capacity %d)", peer, msg.capacity)
+            return
+        w = self.workers.get(peer)
+        if w is None:
+            self.server.forget(peer)
+            return
+        w.last_seen = time.monotonic()
+        if isinstance(msg, WorkerReport):
+            self._handle_report(w, msg)
+        elif isinstance(msg, PartialProgress):
+            self.ledger.record_partial(msg.trajectory_id, peer, msg.policy_version,
+                                       msg.token_ids, msg.logprobs)
+        elif isinstance(msg, PromptTask):
+            if self.ledger.requeue_exported(msg, peer):
+                dest = self._migrations.pop(msg.trajectory_id, None)
+                if dest is not None:
+                    self._place(msg.trajectory_id, dest)
+        elif isinstance(msg, Command) and msg.action == "rejected":
+            for tid in msg.trajectory_ids:
+                if self.ledger.mark_rejected(tid, peer, msg.reason):
+                    log.warning("trajectory %s rejected by %s: %s", tid, peer, msg.reason)
+        else:
+            log.warning("ignoring %s from worker %s", type(msg).__name__, peer)
+
+    def _handle_report(self, w: WorkerState, msg: WorkerReport) -> None:
+        w.version = msg.policy_version
+        w.capacity = msg.max_batch
+        w.active, w.queued = msg.active, msg.queued
+        w.kv_used, w.kv_capacity = msg.kv_used_tokens, msg.kv_capacity_tokens
+        w.active_history = (w.active_history + [msg.active])[-4:]
+        if w.pulling is not None and msg.policy_version >= w.pulling:
+            w.pulling = None
+        for tid in msg.done:
+            self.ledger.mark_done(tid, w.worker_id)
+
+    def _handle_ack(self, ack: codec.Ack) -> None:
+        by_worker: dict[str, list[str]] = {}
+        for tid in ack.trajectory_ids:
+            worker = self.ledger.mark_acked(tid)
+            self.stats.acks += 1
+            if worker is not None and worker in self.workers:
+                by_worker.setdefault(worker, []).append(tid)
+        for worker, ids in by_worker.items():
+            self._send(worker, Command(action="acked", trajectory_ids=tuple(ids)))
+
+    def _send(self, worker: str, msg: codec.Message) -> bool:
+        try:
+            self.server.send(worker, msg)
+            return True
+        except TransportError as exc:
+            log.warning("cannot reach worker %s: %s", worker, exc)
+            return False
+
+    def _expire_silent_workers(self) -> None:
+        now = time.monotonic()
+        for wid, w in list(self.workers.items()):
+            if now - w.last_seen > self.config.worker_timeout_s:
+                self._worker_lost(wid, f"silent for {now - w.last_seen:.1f}s")
+
+    def _worker_lost(self, worker_id: str, why: str) -> None:
+        t0 = time.monotonic()
+        self.workers.pop(worker_id, None)
+        self.server.forget(worker_id)
+        resumable, again = self.ledger.worker_lost(worker_id)
+        self.ledger.restart_unresumable({w.version for w in self.workers.values()})
+        self.stats.workers_lost += 1
+        self.stats.recovery_seconds.append(time.monotonic() - t0)
+        log.warning("worker %s lost (%s): %d trajectories resumable, %d to generate again",
+                    worker_id, why, len(resumable), len(again))
+
+    # -- scheduling -------------------------------------------------------------
+
+    def _views(self) -> list[WorkerView]:
+        return [WorkerView(w.worker_id, w.version, w.capacity, self.ledger.assigned(w.worker_id),
+                           w.pulling) for w in self.workers.values() if w.version >= 0]
+
+    def _place(self, tid: str, worker_id: str) -> bool:
+        """Dispatch one pending trajectory to a chosen live worker."""
+        w = self.workers.get(worker_id)
+        if w is None or w.pulling is not None:
+            return False
+        task = self.ledger.take_specific(tid, worker_id, w.version)
+        if task is None:
+            return False
+        if not self._send(worker_id, task):
+            return False
+        self.stats.dispatched += 1
+        return True
+
+    def _place_resumables(self, views: list[WorkerView]) -> None:
+        """Unfinished trajectories with tokens go to a worker at their version."""
+        free = {v.worker_id: v.free for v in views if v.pulling is None}
+        for tid, version in self.ledger.pending_resumable():
+            for v in views:
+                if v.version == version and free.get(v.worker_id, 0) > 0:
+                    if self._place(tid, v.worker_id):
+                        free[v.worker_id] -= 1
+                    break
+
+    def _schedule(self) -> None:
+        views = self._views()
+        if not views:
+            return
+        if self.ledger.pending_resumable():
+            self._place_resumables(views)
+            views = self._views()
+        if self.config.mode == "laminar":
+            want = sum(v.capacity for v in views)
+            while self.ledger.pending_count() < want and not self.cursor.exhausted():
+                self.ledger.add_group(self.cursor.next(), self.config.group_size, self.sampling)
+            plan = plan_laminar(views, self.latest)
+        else:
+            self._advance_batch()
+            if self.batch < 0:
+                return
+            plan = plan_barrier(views, required_version(self.config.mode, self.batch), self.latest)
+        for wid, version in plan.pulls.items():
+            if self._send(wid, Command(action="pull", version=version)):
+                self.workers[wid].pulling = version
+                self.stats.pulls_commanded += 1
+        for wid, n in plan.grants.items():
+            w = self.workers[wid]
+            tasks = self.ledger.take_pending(wid, w.version, n)
+            for task in tasks:
+                if not self._send(wid, task):
+                    break
+                self.stats.dispatched += 1
+
+    def _advance_batch(self) -> None:
+        """Open the next global batch once the current one has finished generating."""
+        if self.batch >= 0 and not self.ledger.batch_done(self.batch):
+            return
+        nxt = self.batch + 1
+        if self.cursor.exhausted():
+            return
+        if self.latest < required_version(self.config.mode, nxt):
+            return
+        added = 0
+        while added < self.config.batch_groups and not self.cursor.exhausted():
+            self.ledger.add_group(self.cursor.next(), self.config.group_size, self.sampling,
+                                  batch=nxt)
+            added += 1
+        self.batch = nxt
+        log.info("batch %d open (%d groups) at required version %d", nxt, added,
+                 required_version(self.config.mode, nxt))
+
+    def _maybe_repack(self, force: bool = False) -> None:
+        cfg = self.config.repack
+        if self.config.mode != "laminar" or not cfg.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_repack < cfg.interval_s:
+            return
+        self._last_repack = now
+        loads = [
+            WorkerLoad(w.worker_id, w.version, self.ledger.assigned(w.worker_id), w.capacity,
+                       w.kv_used, w.kv_capacity, falling=_falling(w.active_history),
+                       queue_empty=w.queued == 0 and self.ledger.pending_count() == 0
+                       or w.version < self.latest)
+            for w in self.workers.values() if w.version >= 0 and w.pulling is None
+        ]
+        moves = plan_repack(loads, self.latest, min_sources=cfg.min_sources)
+        if not moves:
+            return
+        t0 = time.monotonic()
+        for move in moves:
+            ids = tuple(self.ledger.held_by(move.source))
+            if ids and self._send(move.source, Command(action="export", trajectory_ids=ids)):
+                self.stats.repack_migrated += len(ids)
+                for tid in ids:
+                    self._migrations[tid] = move.destination
+        self.stats.repacks += 1
+        self.stats.repack_seconds += time.monotonic() - t0
+        log.info("repack: emptying %d workers (%s)", len(moves),
+                 ", ".join(f"{m.source}->{m.destination}" for m in moves))
+
+    # -- reporting --------------------------------------------------------------
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "ledger": self.ledger.counts(),
+            "dispatched": self.stats.dispatched,
+            "acks": self.stats.acks,
+            "workers": len(self.workers),
+            "workers_lost": self.stats.workers_lost,
+            "repacks": self.stats.repacks,
+            "repack_migrated": self.stats.repack_migrated,
+            "repack_seconds": round(self.stats.repack_seconds, 4),
+            "resumed": self.ledger.counters.resumed,
+            "restarted": self.ledger.counters.restarted,
+            "stale_reports": self.ledger.counters.stale_reports,
+            "pulls_commanded": self.stats.pulls_commanded,
+            "latest_version": self.latest,
+            "cursor": self.cursor.state(),
+            "prompts_exhausted": self.cursor.exhausted(),
+            "settled": self.ledger.settled(),
+        }
+
+    def _log_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < 5:
+            return
+        self._last_log = now
+        s = self.summary()
+        log.info("ledger %s, %d workers, latest v%d", s["ledger"], s["workers"], self.latest)
+        if self.cursor.exhausted() and self.ledger.settled() and not self._drained_announced:
+            self._drained_announced = True
+            print("MANAGER DRAINED " + json.dumps(s, sort_keys=True), flush=True)
+
+    def _write_state(self, force: bool = False) -> None:
+        if self.config.state_dir is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_state_write < 2:
+            return
+        self._last_state_write = now
+        os.makedirs(self.config.state_dir, exist_ok=True)
+        data = {"summary": self.summary(), "states": self.ledger.snapshot()}
+        path = os.path.join(self.config.state_dir, "manager_state.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+
+
+def _falling(history: list[int]) -> bool:
+    return len(history) >= 2 and history[-1] < history[0]

@@ -1,0 +1,47 @@
+"""Turning relay versions into engine tensors (the rollout side of the weight path).
+
+Tensor dtypes travel as torch dtype names without the ``torch.`` prefix
+(``float32``, ``bfloat16``); shapes and byte offsets come from the manifest.
+Views are zero-copy over the fetched buffer (shared memory on the same host);
+the worker releases the relay's reader lease once the engine copied them.
+"""
+
+from __future__ import annotations
+
+from laminar_common.errors import ProtocolError
+from laminar_common.relay_client import RelayClient
+
+from .worker import FetchedVersion, WeightFetcher
+
+__all__ = ["make_relay_fetcher"]
+
+
+def make_relay_fetcher(client: RelayClient, *, with_tensors: bool = True,
+                       wait_s: float = 60.0) -> WeightFetcher:
+    """A :data:`WeightFetcher` reading from the relay tier.
+
+    Args:
+        with_tensors: False for the simulated engine (bytes are fetched, so the
+            weight-wait is real, but nothing is loaded).
+    """
+
+    def fetch(version: int) -> FetchedVersion:
+        fetched = client.fetch(version, wait_s=wait_s)
+        if not with_tensors:
+            return FetchedVersion(fetched.version, None, fetched.release)
+        import torch
+
+        views = fetched.tensors()
+        tensors = []
+        for spec in fetched.manifest.tensors:
+            dtype = getattr(torch, spec.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                fetched.release()
+                raise ProtocolError(f"weight v{fetched.version}: tensor {spec.name!r} has "
+                                    f"unknown dtype {spec.dtype!r}")
+            flat = torch.frombuffer(views[spec.name], dtype=dtype) if spec.nbytes else \
+                torch.empty(0, dtype=dtype)
+            tensors.append((spec.name, flat.reshape(spec.shape)))
+        return FetchedVersion(fetched.version, tensors, fetched.release)
+
+    return fetch

@@ -1,0 +1,345 @@
+"""A generation worker (``laminar-rollout serve``).
+
+Owns one engine, its tokenizer and reward function, a DEALER connection to the
+manager, a PUSH connection to the trainer and an outbox. It registers in etcd
+(role ``worker``) and finds the manager, the trainer and the relays there.
+
+The loop (one thread owns the engine and every socket):
+
+1. take messages from the manager: prompts (fresh or resumed), ``pull``,
+   ``export`` (repack), ``acked``;
+2. when a ``pull`` is pending and the engine holds nothing, fetch that version
+   from the relay and load it — weights change only between trajectories;
+3. start fresh prompts, step the engine, score finished trajectories and push
+   them to the trainer, keeping each in the outbox until the trainer's
+   durable ack arrives (so a trainer restart loses nothing: the outbox is
+   re-sent to the new trainer, which deduplicates by id);
+4. every ``report_interval_s``: a load report (with the ids finished since the
+   last one) and the partial progress of every unfinished trajectory.
+
+Invariant: every trajectory pushed carries the one ``policy_version`` that
+produced all of its tokens (the engine refuses to load weights while busy and
+refuses a resumed trajectory of another version).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from laminar_common import codec
+from laminar_common.codec import Command, PartialProgress, PromptTask, Trajectory, WorkerReport
+from laminar_common.errors import LaminarError, TransportError
+from laminar_common.etcd import make_coordinator
+from laminar_common.membership import MemberRecord, MembershipEvent
+from laminar_common.service import Service
+from laminar_common.transport import ZmqClient, ZmqPushSender
+
+from .config import WorkerConfig
+from .engines import EngineError, GenerationEngine, GenerationOutput, GenerationRequest
+from .engines import SamplingParams as EngineSampling
+from .rewards import RewardFn, load_reward_fn, score
+from .tokenizer import Tokenizer
+from .version import __version__
+
+__all__ = ["WorkerService", "WeightFetcher", "FetchedVersion"]
+
+log = logging.getLogger(__name__)
+
+WeightFetcher = Callable[[int], "FetchedVersion"]
+"""``fetch(version) -> FetchedVersion``."""
+
+
+class FetchedVersion:
+    """One weight version ready to load: named tensors (None for the simulated
+    engine) and a ``release`` to call once the engine has copied them."""
+
+    def __init__(self, version: int, tensors: Iterable[tuple[str, Any]] | None,
+                 release: Callable[[], None] | None = None) -> None:
+        self.version = version
+        self.tensors = tensors
+        self._release = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class WorkerService(Service):
+    """See module docstring."""
+
+    name = "worker"
+
+    def __init__(self, config: WorkerConfig, engine: GenerationEngine, tokenizer: Tokenizer,
+                 fetch_weights: WeightFetcher | None = None, reward_fn: RewardFn | None = None,
+                 coordinator=None) -> None:
+        super().__init__()
+        self.config = config
+        self.worker_id = config.worker_id
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.fetch_weights = fetch_weights
+        self.reward_fn = reward_fn or load_reward_fn(config.reward)
+        self.coordinator = coordinator
+        self.manager: ZmqClient | None = None
+        self.trainer: ZmqPushSender | None = None
+        self._trainer_addr: str | None = None
+        self._events: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._tasks: dict[str, PromptTask] = {}
+        self._fresh: collections.deque[PromptTask] = collections.deque()
+        self._pull: int | None = None
+        self.outbox: dict[str, Trajectory] = {}
+        self._done_since_report: list[str] = []
+        self._last_report = 0.0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.weight_wait_s = 0.0
+        self.busy_s = 0.0
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self.coordinator is None:
+            self.coordinator = make_coordinator(self.config.etcd, self.config.job)
+        self.coordinator.watch_members(self._on_trainer, role="trainer")
+        self.coordinator.register(MemberRecord(
+            member_id=self.worker_id, role="worker", package_version=__version__,
+            capacity=self.engine.load().max_batch,
+            extra={"engine": type(self.engine).__name__},
+        ))
+        self._connect_manager()
+        self.spawn(self._loop, "loop")
+
+    def _connect_manager(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.stopping.is_set():
+            managers = self.coordinator.members("manager")
+            if managers:
+                rec = sorted(managers.values(), key=lambda r: r.member_id)[0]
+                hello = codec.Hello(member_id=self.worker_id, role="worker",
+                                    protocol_version=codec.PROTOCOL_VERSION,
+                                    package_version=__version__,
+                                    capacity=self.engine.load().max_batch)
+                client = ZmqClient(rec.address, hello)
+                try:
+                    client.connect(timeout_s=10)
+                except TransportError:
+                    client.close()
+                    raise
+                self.manager = client
+                log.info("connected to manager %s at %s", rec.member_id, rec.address)
+                print(f"WORKER READY {self.worker_id} v{self.engine.weight_version}", flush=True)
+                return
+            if time.monotonic() > deadline:
+                raise LaminarError(f"no manager registered in job {self.config.job!r} "
+                                   f"after {timeout_s:.0f}s")
+            self.stopping.wait(0.2)
+
+    def _on_trainer(self, event: MembershipEvent) -> None:
+        self._events.put(("trainer", event))
+
+    def _close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.close()
+        for sock in (self.manager, self.trainer):
+            if sock is not None:
+                sock.close()
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        self._report(force=True)
+        while not self.stopping.is_set():
+            self._drain_events()
+            busy = self.engine.has_unfinished()
+            msg = self.manager.recv(timeout_s=0 if busy or self._fresh else 0.02)
+            while msg is not None:
+                self._handle(msg)
+                msg = self.manager.recv(timeout_s=0)
+            if self._pull is not None and not self.engine.has_unfinished():
+                self._load_weights(self._pull)
+            if self._pull is None:
+                self._start_fresh()
+            if self.engine.has_unfinished():
+                t0 = time.monotonic()
+                for out in self.engine.step():
+                    self._finish(out)
+                self.busy_s += time.monotonic() - t0
+            self._report()
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                kind, payload = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "trainer":
+                assert isinstance(payload, MembershipEvent)
+                if payload.kind == "put" and payload.record is not None:
+                    self._set_trainer(payload.record.address)
+
+    def _set_trainer(self, address: str) -> None:
+        if address == self._trainer_addr:
+            return
+        if self.trainer is not None:
+            self.trainer.close(linger_s=0)
+        self.trainer = ZmqPushSender(address, send_timeout_s=5)
+        self._trainer_addr = address
+        log.info("trainer at %s; re-sending %d unacked trajectories", address, len(self.outbox))
+        for traj in list(self.outbox.values()):
+            self._push(traj)
+
+    def _handle(self, msg: codec.Message) -> None:
+        if isinstance(msg, PromptTask):
+            if msg.resume_token_ids and msg.policy_version != self.engine.weight_version:
+                log.warning("resume of %s at v%d refused by v%d worker; restarting it",
+                            msg.trajectory_id, msg.policy_version, self.engine.weight_version)
+                self.counters["resume_refused"] += 1
+                msg = _without_resume(msg)
+            if msg.resume_token_ids:
+                self._add(msg)
+            else:
+                self._fresh.append(msg)
+        elif isinstance(msg, Command):
+            if msg.action == "pull":
+                if msg.version > self.engine.weight_version:
+                    self._pull = max(self._pull or -1, msg.version)
+                else:
+                    self._report(force=True)
+            elif msg.action == "export":
+                self._export(msg.trajectory_ids)
+            elif msg.action == "acked":
+                for tid in msg.trajectory_ids:
+                    self.outbox.pop(tid, None)
+            else:
+                log.warning("unknown command %r from manager", msg.action)
+        else:
+            log.warning("ignoring %s from manager", type(msg).__name__)
+
+    def _start_fresh(self) -> None:
+        while self._fresh:
+            self._add(self._fresh.popleft())
+
+    def _add(self, task: PromptTask) -> None:
+        ids = list(task.prompt_token_ids) or self.tokenizer.encode(task.prompt)
+        s = task.sampling
+        stop = tuple(s.stop_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        try:
+            params = EngineSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                    max_tokens=s.max_tokens, stop_token_ids=stop, seed=s.seed)
+            request = GenerationRequest(
+                request_id=task.trajectory_id, prompt_token_ids=ids, params=params,
+                resume_token_ids=list(task.resume_token_ids),
+                resume_logprobs=list(task.resume_logprobs),
+                policy_version=task.policy_version if task.resume_token_ids else None,
+            )
+            self.engine.add_request(request)
+        except (EngineError, ValueError) as exc:
+            self.counters["rejected"] += 1
+            self.manager.send(Command(action="rejected", trajectory_ids=(task.trajectory_id,),
+                                      reason=str(exc)))
+            return
+        self._tasks[task.trajectory_id] = task
+
+    def _finish(self, out: GenerationOutput) -> None:
+        task = self._tasks.pop(out.request_id)
+        if out.finish_reason == "aborted":
+            return
+        text = self.tokenizer.decode(out.token_ids)
+        reward, error = score(self.reward_fn, task.metadata, text)
+        if error is not None:
+            self.counters["reward_errors"] += 1
+            log.warning("reward function failed on %s: %s", out.request_id, error)
+        traj = Trajectory(
+            trajectory_id=task.trajectory_id, prompt_id=task.prompt_id,
+            group_size=task.group_size, sample_index=task.sample_index, worker_id=self.worker_id,
+            policy_version=out.policy_version, prompt_token_ids=tuple(out.prompt_token_ids),
+            response_token_ids=tuple(out.token_ids), behaviour_logprobs=tuple(out.logprobs),
+            reward=reward, finish_reason=out.finish_reason, reward_error=error, completion=text,
+            simulated=out.simulated,
+        )
+        self.outbox[traj.trajectory_id] = traj
+        self._done_since_report.append(traj.trajectory_id)
+        self.counters["finished"] += 1
+        self._push(traj)
+
+    def _push(self, traj: Trajectory) -> None:
+        if self.trainer is None:
+            return
+        try:
+            self.trainer.send(traj)
+        except TransportError as exc:
+            self.counters["push_failed"] += 1
+            log.warning("push of %s to the trainer failed (kept in the outbox): %s",
+                        traj.trajectory_id, exc)
+
+    def _export(self, ids: Iterable[str]) -> None:
+        wanted = [t for t in ids if t in self._tasks]
+        for req in self.engine.export(wanted):
+            task = self._tasks.pop(req.request_id)
+            self.manager.send(PromptTask(
+                trajectory_id=task.trajectory_id, prompt_id=task.prompt_id,
+                group_size=task.group_size, sample_index=task.sample_index, prompt=task.prompt,
+                prompt_token_ids=tuple(req.prompt_token_ids), metadata=task.metadata,
+                sampling=task.sampling, resume_token_ids=tuple(req.resume_token_ids),
+                resume_logprobs=tuple(req.resume_logprobs),
+                policy_version=req.policy_version if req.policy_version is not None else -1,
+            ))
+            self.counters["exported"] += 1
+        self._report(force=True)
+
+    def _load_weights(self, version: int) -> None:
+        if self.fetch_weights is None:
+            raise LaminarError("a pull was requested but this worker has no weight source")
+        t0 = time.monotonic()
+        fetched = self.fetch_weights(version)
+        try:
+            with warnings.catch_warnings():
+                # torch.frombuffer warns on read-only (shared-memory) buffers; the
+                # engine copies the values into its parameters before release().
+                warnings.simplefilter("ignore", UserWarning)
+                self.engine.load_weights(fetched.version, fetched.tensors)
+        finally:
+            fetched.release()
+        got = fetched.version
+        dt = time.monotonic() - t0
+        self.weight_wait_s += dt
+        self.counters["weight_loads"] += 1
+        self._pull = None
+        log.info("loaded weights v%d in %.3fs", got, dt)
+        self._report(force=True)
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_report < self.config.report_interval_s:
+            return
+        self._last_report = now
+        load = self.engine.load()
+        full = len(self.outbox) >= self.config.outbox_capacity
+        self.manager.send(WorkerReport(
+            worker_id=self.worker_id, policy_version=self.engine.weight_version,
+            active=load.active, queued=load.queued + len(self._fresh),
+            max_batch=0 if full else load.max_batch, kv_used_tokens=load.kv_used_tokens,
+            kv_capacity_tokens=load.kv_capacity_tokens, holding=tuple(self._tasks),
+            done=tuple(self._done_since_report),
+        ))
+        self._done_since_report = []
+        for p in self.engine.progress():
+            self.manager.send(PartialProgress(
+                trajectory_id=p.request_id, worker_id=self.worker_id,
+                policy_version=p.policy_version, token_ids=tuple(p.token_ids),
+                logprobs=tuple(p.logprobs),
+            ))
+
+
+def _without_resume(task: PromptTask) -> PromptTask:
+    return PromptTask(
+        trajectory_id=task.trajectory_id, prompt_id=task.prompt_id, group_size=task.group_size,
+        sample_index=task.sample_index, prompt=task.prompt,
+        prompt_token_ids=task.prompt_token_ids, metadata=task.metadata, sampling=task.sampling,
+    )

@@ -1,0 +1,116 @@
+import pytest
+
+from laminar_common.codec import SamplingSpec
+from laminar_rollout.ledger import ACKED, DISPATCHED, DONE, PENDING, REJECTED, TrajectoryLedger
+from laminar_rollout.prompts import PromptRecord
+
+SAMPLING = SamplingSpec(max_tokens=8)
+
+
+def _ledger(n_prompts=2, group=2):
+    led = TrajectoryLedger()
+    for i in range(n_prompts):
+        led.add_group(PromptRecord(f"p{i}", f"prompt {i}", {"answer": str(i)}), group, SAMPLING)
+    return led
+
+
+def test_happy_path_exactly_once():
+    led = _ledger()
+    tasks = led.take_pending("w1", version=0, limit=10)
+    assert [t.trajectory_id for t in tasks] == ["p0#0", "p0#1", "p1#0", "p1#1"]
+    assert led.counts()[DISPATCHED] == 4
+    for t in tasks:
+        assert led.mark_done(t.trajectory_id, "w1")
+    assert not led.settled()
+    for t in tasks:
+        assert led.mark_acked(t.trajectory_id) == "w1"
+    assert led.settled()
+    assert led.counts() == {PENDING: 0, DISPATCHED: 0, DONE: 0, ACKED: 4, REJECTED: 0}
+
+
+def test_duplicate_prompt_id_refused():
+    led = _ledger(1)
+    with pytest.raises(ValueError, match="already exists"):
+        led.add_group(PromptRecord("p0", "x", {}), 2, SAMPLING)
+
+
+def test_stale_reports_change_nothing():
+    led = _ledger(1, 1)
+    led.take_pending("w1", 0, 1)
+    assert not led.mark_done("p0#0", "w2")
+    assert not led.mark_done("nope", "w1")
+    assert led.counters.stale_reports == 2
+    assert led.counts()[DISPATCHED] == 1
+
+
+def test_lost_worker_resumes_partial_and_regenerates_unacked():
+    led = _ledger(2, 1)
+    led.take_pending("w1", version=3, limit=2)
+    led.record_partial("p0#0", "w1", 3, (5, 6), (-0.1, -0.2))
+    led.mark_done("p1#0", "w1")
+    resumable, again = led.worker_lost("w1")
+    assert resumable == ["p0#0"] and again == ["p1#0"]
+    assert led.counts()[PENDING] == 2
+    # A worker at another version cannot continue the resumable one.
+    tasks = led.take_pending("w2", version=4, limit=5)
+    assert [t.trajectory_id for t in tasks] == ["p1#0"]
+    assert tasks[0].resume_token_ids == ()
+    tasks = led.take_pending("w3", version=3, limit=5)
+    assert tasks[0].trajectory_id == "p0#0"
+    assert tasks[0].resume_token_ids == (5, 6) and tasks[0].policy_version == 3
+    assert led.counters.resumed == 1
+
+
+def test_restart_unresumable_drops_tokens():
+    led = _ledger(1, 1)
+    led.take_pending("w1", 2, 1)
+    led.record_partial("p0#0", "w1", 2, (1,), (-1.0,))
+    led.worker_lost("w1")
+    assert led.restart_unresumable({5}) == 1
+    assert led.take_pending("w2", 5, 1)[0].resume_token_ids == ()
+
+
+def test_ack_of_a_redispatched_trajectory_wins():
+    led = _ledger(1, 1)
+    led.take_pending("w1", 0, 1)
+    led.mark_done("p0#0", "w1")
+    led.worker_lost("w1")
+    led.take_pending("w2", 0, 1)
+    # The trainer had received w1's copy: it acks; w2's later completion is stale.
+    assert led.mark_acked("p0#0") == "w2"
+    assert not led.mark_done("p0#0", "w2")
+    assert led.settled()
+
+
+def test_export_and_specific_placement():
+    led = _ledger(1, 1)
+    task = led.take_pending("w1", 1, 1)[0]
+    from laminar_common.codec import PromptTask
+
+    exported = PromptTask(trajectory_id=task.trajectory_id, prompt_id=task.prompt_id,
+                          group_size=1, sample_index=0, prompt=task.prompt,
+                          resume_token_ids=(9,), resume_logprobs=(-0.5,), policy_version=1)
+    assert led.requeue_exported(exported, "w1")
+    assert led.pending_resumable() == [("p0#0", 1)]
+    assert led.take_specific("p0#0", "w2", version=2) is None
+    moved = led.take_specific("p0#0", "w2", version=1)
+    assert moved.resume_token_ids == (9,)
+    assert led.held_by("w2") == ["p0#0"]
+
+
+def test_rejected_is_final():
+    led = _ledger(1, 1)
+    led.take_pending("w1", 0, 1)
+    assert led.mark_rejected("p0#0", "w1", "too long")
+    assert led.settled()
+    assert led.entries["p0#0"].reason == "too long"
+
+
+def test_batches():
+    led = TrajectoryLedger()
+    led.add_group(PromptRecord("a", "x", {}), 1, SAMPLING, batch=0)
+    led.add_group(PromptRecord("b", "x", {}), 1, SAMPLING, batch=1)
+    assert not led.batch_done(0)
+    led.take_pending("w", 0, 1)
+    led.mark_done("a#0", "w")
+    assert led.batch_done(0) and not led.batch_done(1)

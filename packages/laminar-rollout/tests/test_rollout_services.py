@@ -1,0 +1,199 @@
+"""Manager + workers in one process: real ZeroMQ on loopback, in-memory etcd twin,
+simulated engines (fast), and a stand-in trainer (a PULL socket that acks)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from laminar_common.codec import Ack, Trajectory
+from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd, MemberRecord, VersionRecord
+from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
+from laminar_rollout.config import ManagerConfig, WorkerConfig
+from laminar_rollout.engines import LogNormalLengths, SimulatedEngine
+from laminar_rollout.ledger import ACKED
+from laminar_rollout.manager import ManagerService
+from laminar_rollout.tokenizer import ByteTokenizer
+from laminar_rollout.worker import FetchedVersion, WorkerService
+
+JOB = "unit"
+
+
+class Trainer:
+    """Receives trajectories, acks them to the manager, publishes versions."""
+
+    def __init__(self, store):
+        self.coord = InMemoryCoordinator(store, JOB)
+        self.rx = ZmqPullReceiver(expect=Trajectory)
+        self.coord.register(MemberRecord(member_id="trainer", role="trainer",
+                                         address=self.rx.endpoint))
+        self.got: list[Trajectory] = []
+        self.acker = None
+
+    def pump(self, seconds=0.05):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            msg = self.rx.recv(timeout_s=0.01)
+            if msg is not None:
+                self.got.append(msg)
+
+    def ack(self, ids, step=1):
+        if self.acker is None:
+            manager = self.coord.members("manager")["manager"]
+            self.acker = ZmqPushSender(manager.extra["ack"])
+        self.acker.send(Ack(trajectory_ids=tuple(ids), trainer_step=step, trainer_version=step))
+
+    def close(self):
+        self.rx.close()
+        if self.acker is not None:
+            self.acker.close()
+
+
+def _prompts(tmp_path, n):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(
+        f'{{"id": "p{i}", "prompt": "sort {i}{i + 1}=", "task": "sort", "answer": "x"}}\n'
+        for i in range(n)))
+    return str(p)
+
+
+def _worker(store, wid, max_batch=4, median=6, reward_fn=None, version=0):
+    engine = SimulatedEngine(max_batch=max_batch, step_time_base=0.0005, step_time_per_seq=0.0,
+                             prefill_time_per_token=0.0,
+                             lengths=LogNormalLengths(median=median, tail_ratio=10, max_length=80),
+                             vocab_size=200, eos_token_id=0, seed=1, weight_version=version)
+    cfg = WorkerConfig(job=JOB, worker_id=wid, report_interval_s=0.05)
+    return WorkerService(cfg, engine, ByteTokenizer(),
+                         fetch_weights=lambda v: FetchedVersion(v, None),
+                         reward_fn=reward_fn or (lambda meta, text: 1.0),
+                         coordinator=InMemoryCoordinator(store, JOB))
+
+
+def _wait(cond, timeout_s, trainer=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if trainer is not None:
+            trainer.pump()
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.fixture
+def stack(tmp_path):
+    store = InMemoryEtcd()
+    services = []
+
+    def start_manager(**kw):
+        cfg = ManagerConfig(job=JOB, prompts=_prompts(tmp_path, kw.pop("n_prompts", 6)),
+                            worker_timeout_s=kw.pop("worker_timeout_s", 10.0), **kw)
+        m = ManagerService(cfg, coordinator=InMemoryCoordinator(store, JOB)).start()
+        services.append(m)
+        return m
+
+    def start_worker(wid, **kw):
+        w = _worker(store, wid, **kw).start()
+        services.append(w)
+        return w
+
+    trainer = Trainer(store)
+    yield store, trainer, start_manager, start_worker
+    for s in reversed(services):
+        s.close("test over")
+    trainer.close()
+
+
+def test_every_trajectory_arrives_once_and_acks_settle_the_ledger(stack):
+    store, trainer, start_manager, start_worker = stack
+    manager = start_manager(n_prompts=6, group_size=2)
+    start_worker("w1")
+    start_worker("w2")
+    assert _wait(lambda: len(trainer.got) >= 12, 20, trainer)
+    trainer.pump(0.2)
+    ids = [t.trajectory_id for t in trainer.got]
+    assert sorted(ids) == sorted(f"p{i}#{s}" for i in range(6) for s in range(2))
+    assert {t.worker_id for t in trainer.got} <= {"w1", "w2"}
+    assert all(t.simulated and t.policy_version == 0 for t in trainer.got)
+    assert all(len(t.response_token_ids) == len(t.behaviour_logprobs) for t in trainer.got)
+    trainer.ack(ids)
+    assert _wait(lambda: manager.ledger.counts()[ACKED] == 12, 10)
+    assert manager.ledger.settled()
+
+
+def test_new_version_is_pulled_between_trajectories(stack):
+    store, trainer, start_manager, start_worker = stack
+    start_manager(n_prompts=30, group_size=2)
+    w = start_worker("w1", max_batch=2)
+    assert _wait(lambda: len(trainer.got) >= 4, 20, trainer)
+    trainer.coord.publish_version(VersionRecord(version=1))
+    assert _wait(lambda: any(t.policy_version == 1 for t in trainer.got), 20, trainer)
+    assert _wait(lambda: len(trainer.got) >= 60, 30, trainer)
+    versions = [t.policy_version for t in trainer.got]
+    # Once a worker is at v1 it never produces v0 again, and nothing is mixed.
+    first_v1 = versions.index(1)
+    assert all(v == 1 for v in versions[first_v1 + 2:])
+    assert w.counters["weight_loads"] == 1
+
+
+def test_killed_worker_work_is_resumed_or_redone_exactly_once(stack):
+    store, trainer, start_manager, start_worker = stack
+    manager = start_manager(n_prompts=8, group_size=2, worker_timeout_s=1.0)
+    victim = start_worker("victim", median=40)
+    start_worker("survivor", median=40)
+    assert _wait(lambda: manager.ledger.held_by("victim"), 10, trainer)
+    # Crash: the loop stops without goodbye; its lease then expires.
+    victim.stopping.set()
+    victim.coordinator.store.expire_lease(victim.coordinator.lease)
+    assert _wait(lambda: manager.stats.workers_lost == 1, 10, trainer)
+    assert _wait(lambda: len({t.trajectory_id for t in trainer.got}) >= 16, 30, trainer)
+    trainer.pump(0.3)
+    ids = {t.trajectory_id for t in trainer.got}
+    assert ids == {f"p{i}#{s}" for i in range(8) for s in range(2)}
+    trainer.ack(ids)
+    assert _wait(lambda: manager.ledger.settled(), 10)
+    assert manager.ledger.counts()[ACKED] == 16
+
+
+def test_sync_mode_batches_use_exactly_their_version(stack):
+    store, trainer, start_manager, start_worker = stack
+    manager = start_manager(n_prompts=6, group_size=2, mode="sync", batch_groups=2)
+    start_worker("w1")
+    start_worker("w2")
+    for batch in range(3):
+        assert _wait(lambda b=batch: len(trainer.got) >= 4 * (b + 1), 20, trainer)
+        trainer.pump(0.1)
+        assert len(trainer.got) == 4 * (batch + 1), "next batch started before the barrier"
+        assert {t.policy_version for t in trainer.got[4 * batch:]} == {batch}
+        trainer.coord.publish_version(VersionRecord(version=batch + 1))
+    assert manager.batch == 2
+
+
+def test_failing_reward_marks_trajectory_but_delivers_it(stack):
+    store, trainer, start_manager, start_worker = stack
+    start_manager(n_prompts=2, group_size=1)
+
+    def broken(meta, text):
+        raise RuntimeError("reward service down")
+
+    w = start_worker("w1", reward_fn=broken)
+    assert _wait(lambda: len(trainer.got) >= 2, 20, trainer)
+    assert all(t.reward == 0.0 and "reward service down" in t.reward_error for t in trainer.got)
+    assert w.counters["reward_errors"] == 2
+
+
+def test_overlong_prompt_is_rejected_with_reason(stack, tmp_path):
+    store, trainer, start_manager, start_worker = stack
+    manager = start_manager(n_prompts=1, group_size=1)
+    engine = SimulatedEngine(max_batch=2, context_length=4, step_time_base=0.0005, seed=1)
+    cfg = WorkerConfig(job=JOB, worker_id="tiny", report_interval_s=0.05)
+    w = WorkerService(cfg, engine, ByteTokenizer(), fetch_weights=lambda v: FetchedVersion(v, None),
+                      reward_fn=lambda m, t: 1.0, coordinator=InMemoryCoordinator(store, JOB))
+    w.start()
+    try:
+        assert _wait(lambda: manager.ledger.settled(), 10, trainer)
+        entry = manager.ledger.entries["p0#0"]
+        assert entry.state == "rejected" and "context" in entry.reason
+    finally:
+        w.close()
