@@ -29,6 +29,23 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--members", type=int, default=3, help="number of probe members")
     d.add_argument("--ttl", type=int, default=3, help="lease TTL in seconds")
 
+    u = sub.add_parser("up", help="start a whole stack from a job file")
+    u.add_argument("job", help="job file (YAML or TOML)")
+    u.add_argument("--set", action="append", default=[], metavar="A.B=C",
+                   help="override a job-file field (repeatable)")
+    u.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local subprocesses or Ray actors")
+
+    r = sub.add_parser("report", help="summarize a trainer run dir and plot its metrics")
+    r.add_argument("run_dir", help="the trainer's run_dir")
+
+    pr = sub.add_parser("prompts", help="write synthetic-task prompt records (JSONL)")
+    pr.add_argument("--task", default="sort", help="sort, reverse or add")
+    pr.add_argument("--n", type=int, default=1000, help="number of records")
+    pr.add_argument("--split", choices=("train", "eval"), default="train", help="split")
+    pr.add_argument("--seed", type=int, default=0, help="seed")
+    pr.add_argument("--out", required=True, help="output .jsonl path")
+
     s = sub.add_parser("status", help="show a job's members and latest weight version")
     s.add_argument("--etcd", default="127.0.0.1:2379", help="etcd endpoint host:port")
     s.add_argument("--job", required=True, help="job name")
@@ -50,6 +67,15 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(args.members, args.ttl)
+        if args.cmd == "up":
+            setup_logging("WARNING")
+            from .launcher import run_job
+
+            return run_job(args.job, args.set, args.backend)
+        if args.cmd == "report":
+            return _cmd_report(args)
+        if args.cmd == "prompts":
+            return _cmd_prompts(args)
         if args.cmd == "status":
             setup_logging("WARNING")
             return _cmd_status(args)
@@ -90,6 +116,32 @@ def _cmd_member(args, setup_logging) -> int:
 
     logging.getLogger("laminar_common.cli").info("resolved config:\n%s", dump_config(config))
     return MemberService(config).run_forever()
+
+
+def _cmd_report(args) -> int:
+    from .report import load_metrics, summarize, write_plots
+
+    rows, summary = load_metrics(args.run_dir)
+    print(summarize(rows, summary))
+    plots = write_plots(rows, summary, args.run_dir)
+    print(f"metrics: {args.run_dir}/metrics.jsonl")
+    print("plots: " + (", ".join(map(str, plots)) if plots else
+                       "none (pip install 'laminar-common[report]' for matplotlib)"))
+    return 0
+
+
+def _cmd_prompts(args) -> int:
+    from pathlib import Path
+
+    from .tasks import make_task_records, write_jsonl
+
+    if Path(args.out).is_file():
+        print(f"{args.out} exists; leaving it")
+        return 0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    n = write_jsonl(args.out, make_task_records(args.task, args.n, args.seed, split=args.split))
+    print(f"wrote {n} {args.task} records ({args.split}) to {args.out}")
+    return 0
 
 
 def _cmd_status(args) -> int:

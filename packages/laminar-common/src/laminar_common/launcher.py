@@ -1,0 +1,260 @@
+"""``laminar up job.yaml``: start a whole stack from one job file (local backend).
+
+Owns reading the job file, starting an embedded etcd (or using the given
+endpoints), running the job's set-up commands, writing one config file per
+tier replica and starting each tier's own CLI as a child process with its log
+in ``<run_dir>/logs/``. It imports no tier: it only runs their entry points.
+
+Job file::
+
+    job: demo
+    run_dir: runs/demo
+    etcd: {embedded: true}            # or {endpoints: ["host:2379"]}
+    setup:                            # commands run in order before the tiers
+      - [laminar-trainer, warmstart, --out, "{run_dir}/model"]
+    tiers:                            # started in this order
+      relay:   {command: [laminar-relay, serve], replicas: 1, config: {...}}
+      manager: {command: [laminar-rollout, manage], config: {...}}
+      worker:  {command: [laminar-rollout, serve], replicas: 2, config: {...},
+                id_field: worker_id}
+      trainer: {command: [laminar-trainer, run], config: {...}}
+    wait_for: trainer                 # the run ends when this tier exits
+
+Strings may use ``{run_dir}``, ``{job}``, ``{name}`` (tier replica name) and
+``{index}``. Every tier config gets ``job`` and ``etcd.endpoints`` filled in.
+
+Invariants: children are stopped (SIGTERM, then SIGKILL) in reverse start
+order on exit, failure or Ctrl-C — only the pids this launcher started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field
+
+from .config import LaminarModel, read_config_file
+from .errors import ConfigError, LaminarError
+from .launcher_etcd import LocalEtcd
+from .processes import ChildProcess
+
+__all__ = ["JobFile", "TierSpec", "LocalLauncher", "run_job"]
+
+log = logging.getLogger(__name__)
+
+
+class EtcdSpec(LaminarModel):
+    """Where the job's etcd is."""
+
+    embedded: bool = True
+    """Start a local etcd in <run_dir>/etcd for the job's lifetime."""
+    endpoints: tuple[str, ...] = ()
+    """Use an existing etcd (host:port) instead."""
+    ttl_s: int = Field(default=5, ge=2)
+    """Lease TTL given to every tier."""
+
+
+class TierSpec(LaminarModel):
+    """One tier: its CLI, how many replicas, its config."""
+
+    command: tuple[str, ...]
+    """The tier's entry point and sub-command, e.g. [laminar-relay, serve]."""
+    replicas: int = Field(default=1, ge=0)
+    """Processes to start."""
+    config: dict[str, Any] = {}
+    """The tier's config (written to a YAML file per replica)."""
+    id_field: str | None = None
+    """Config field set to the replica name (e.g. worker_id) when replicas > 1."""
+    args: tuple[str, ...] = ()
+    """Extra CLI arguments."""
+    ready: str | None = None
+    """Output line (regex) that tells the replica is up; the next tier waits for it."""
+    resources: dict[str, float] = {}
+    """Ray backend: resources each replica needs (e.g. {GPU: 1})."""
+
+
+class JobFile(LaminarModel):
+    """A whole stack."""
+
+    job: str
+    """Job name (etcd key prefix)."""
+    run_dir: str = "runs/{job}"
+    """Where logs, configs, metrics and checkpoints go."""
+    etcd: EtcdSpec = EtcdSpec()
+    """etcd."""
+    setup: tuple[tuple[str, ...], ...] = ()
+    """Commands run before the tiers (each must exit 0)."""
+    tiers: dict[str, TierSpec]
+    """Tiers in start order."""
+    wait_for: str
+    """The tier whose exit ends the run."""
+    timeout_s: float = Field(default=3600, gt=0)
+    """Stop everything after this long."""
+
+
+def _fill(value: Any, subs: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        for key, sub in subs.items():
+            value = value.replace("{" + key + "}", sub)
+        return value
+    if isinstance(value, dict):
+        return {k: _fill(v, subs) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_fill(v, subs) for v in value]
+    return value
+
+
+def load_job(path: str | os.PathLike[str], overrides: list[str] = ()) -> JobFile:
+    from .config import load_config
+
+    data = read_config_file(path)
+    return load_config(JobFile, None, overrides, env={}, base=data)
+
+
+class LocalLauncher:
+    """Runs a :class:`JobFile` as local subprocesses."""
+
+    def __init__(self, job: JobFile, echo: bool = True) -> None:
+        self.job = job
+        self.run_dir = Path(_fill(job.run_dir, {"job": job.job}))
+        self.subs = {"run_dir": str(self.run_dir), "job": job.job}
+        self.children: list[ChildProcess] = []
+        self.etcd: LocalEtcd | None = None
+        self.endpoints: list[str] = list(job.etcd.endpoints)
+        self.echo = echo
+        self._stop = threading.Event()
+        if job.wait_for not in job.tiers:
+            raise ConfigError(f"wait_for: {job.wait_for!r} is not one of the tiers "
+                              f"({', '.join(job.tiers)})")
+
+    def _say(self, text: str) -> None:
+        if self.echo:
+            print(f"[laminar up] {text}", flush=True)
+
+    def start_etcd(self) -> None:
+        if self.job.etcd.embedded and not self.endpoints:
+            data_dir = self.run_dir / "etcd"
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self.etcd = LocalEtcd(data_dir=str(data_dir)).start()
+            self.endpoints = [self.etcd.endpoint]
+            self._say(f"etcd at {self.etcd.endpoint}")
+        if not self.endpoints:
+            raise ConfigError("etcd: set embedded: true or give endpoints")
+
+    def run_setup(self) -> None:
+        for cmd in self.job.setup:
+            argv = _fill(list(cmd), self.subs)
+            self._say("setup: " + shlex.join(argv))
+            t0 = time.monotonic()
+            res = subprocess.run(_resolve(argv), cwd=os.getcwd(), check=False)
+            if res.returncode != 0:
+                raise LaminarError(f"setup command failed ({res.returncode}): {shlex.join(argv)}")
+            self._say(f"setup done in {time.monotonic() - t0:.1f}s")
+
+    def replica_argv(self, tier: str, spec: TierSpec, index: int) -> tuple[str, list[str]]:
+        name = tier if spec.replicas == 1 else f"{tier}-{index}"
+        subs = dict(self.subs, name=name, index=str(index))
+        config = _fill(dict(spec.config), subs)
+        config["job"] = self.job.job
+        etcd = dict(config.get("etcd", {}))
+        etcd.setdefault("endpoints", self.endpoints)
+        etcd.setdefault("ttl_s", self.job.etcd.ttl_s)
+        config["etcd"] = etcd
+        if spec.id_field:
+            config[spec.id_field] = name
+        cfg_dir = self.run_dir / "configs"
+        cfg_dir.mkdir(parents=True, exist_ok=True)
+        cfg_path = cfg_dir / f"{name}.yaml"
+        cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = _resolve(list(spec.command)) + ["--config", str(cfg_path)] + \
+            _fill(list(spec.args), subs)
+        return name, argv
+
+    def start_tiers(self) -> dict[str, list[ChildProcess]]:
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        started: dict[str, list[ChildProcess]] = {}
+        for tier, spec in self.job.tiers.items():
+            started[tier] = []
+            for i in range(spec.replicas):
+                name, argv = self.replica_argv(tier, spec, i)
+                child = ChildProcess(name, argv, str(logs / f"{name}.log"))
+                self.children.append(child)
+                started[tier].append(child)
+                self._say(f"started {name} (pid {child.pid}): {shlex.join(argv)}")
+            if spec.ready:
+                for child in started[tier]:
+                    child.wait_for_line(spec.ready, 300)
+        return started
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            if child.alive():
+                self._say(f"stopping {child.name} (pid {child.pid})")
+            child.stop(grace_s=15)
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def run(self) -> int:
+        """Start everything, wait for ``wait_for`` to exit, stop everything."""
+        previous = {s: signal.signal(s, lambda *_: self._stop.set())
+                    for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.start_etcd()
+            self.run_setup()
+            started = self.start_tiers()
+            target = started[self.job.wait_for]
+            deadline = time.monotonic() + self.job.timeout_s
+            seen = 0
+            while any(c.alive() for c in target):
+                if self._stop.wait(0.5):
+                    self._say("interrupted: shutting down")
+                    return 130
+                if time.monotonic() > deadline:
+                    self._say(f"timeout after {self.job.timeout_s:.0f}s: shutting down")
+                    return 124
+                for line in target[0].lines[seen:]:
+                    if line.startswith(("STEP", "EVAL")):
+                        self._say(f"{target[0].name}: {line}")
+                seen = len(target[0].lines)
+                for child in self.children:
+                    if child not in target and not child.alive() and child.proc.returncode:
+                        self._say(f"{child.name} exited with {child.proc.returncode}; "
+                                  f"see {child.log_path}")
+            for line in target[0].lines[seen:]:
+                if line.startswith(("STEP", "EVAL", "TRAINER DONE")):
+                    self._say(f"{target[0].name}: {line[:300]}")
+            codes = [c.proc.wait() for c in target]
+            self._say(f"{self.job.wait_for} exited with {codes}")
+            return max(codes, key=abs)
+        finally:
+            self.stop_all()
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def _resolve(argv: list[str]) -> list[str]:
+    """Run the tiers' console scripts with this interpreter when they are ours."""
+    scripts = {"laminar": "laminar_common.cli", "laminar-relay": "laminar_relay.cli",
+               "laminar-rollout": "laminar_rollout.cli", "laminar-trainer": "laminar_trainer.cli"}
+    if argv and argv[0] in scripts:
+        return [sys.executable, "-m", scripts[argv[0]], *argv[1:]]
+    return argv
+
+
+def run_job(path: str, overrides: list[str] = (), backend: str = "local") -> int:
+    job = load_job(path, list(overrides))
+    if backend != "local":
+        raise ConfigError(f"backend {backend!r} is not available; use --backend local")
+    return LocalLauncher(job).run()

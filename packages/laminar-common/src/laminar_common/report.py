@@ -1,0 +1,98 @@
+"""``laminar report RUN_DIR``: a run's metrics as a short text summary and PNG plots.
+
+Reads ``metrics.jsonl`` (one object per trainer step) and ``summary.json``
+written by the trainer. Plots need matplotlib (``laminar-common[report]``);
+without it only the text is produced, and the output says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import LaminarError
+
+__all__ = ["load_metrics", "summarize", "write_plots"]
+
+
+def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
+    run = Path(run_dir)
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise LaminarError(f"{run} has no metrics.jsonl: is it a trainer run_dir?")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise LaminarError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
+    summary_path = run / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    return rows, summary
+
+
+def summarize(rows: list[dict], summary: dict) -> str:
+    lines = []
+    if summary.get("simulated_step"):
+        lines.append("NOTE: simulated training step (no model)")
+    if rows:
+        first, last = rows[0], rows[-1]
+        lines.append(f"steps: {last['step']} (weight version {last['version']})")
+        lines.append(f"train reward: first step {first['reward_mean']:.3f}, "
+                     f"last step {last['reward_mean']:.3f}")
+    if summary.get("eval_before") is not None:
+        lines.append(f"held-out accuracy: before {summary['eval_before']:.3f}, "
+                     f"after {summary['eval_after']:.3f} "
+                     f"({100 * (summary['eval_after'] - summary['eval_before']):+.1f} points)")
+    if summary:
+        lines.append(f"throughput: {summary['tokens_per_s']:.1f} trajectory tokens/s consumed "
+                     f"({summary['tokens_consumed']} tokens)")
+        lines.append(f"trainer idle fraction: {summary['trainer_idle_fraction']:.2f}")
+        hist = summary.get("staleness_hist", {})
+        lines.append("staleness (trainer version at consume - generating version): " +
+                     ", ".join(f"{k}: {v}" for k, v in hist.items()) +
+                     f"; mean {summary['staleness_mean']:.2f}")
+        lines.append(f"publish stall per version: {1000 * summary['stall_mean_s']:.1f} ms mean; "
+                     f"background send {1000 * summary['send_mean_s']:.1f} ms mean")
+    return "\n".join(lines)
+
+
+def write_plots(rows: list[dict], summary: dict, out_dir: str | Path) -> list[Path]:
+    """Write reward/throughput/staleness PNGs; returns their paths ([] without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    axes[0].plot(steps, [r["reward_mean"] for r in rows], label="train reward")
+    evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
+    if summary.get("eval_before") is not None:
+        evals = [(0, summary["eval_before"]), *evals]
+        if summary.get("eval_after") is not None and steps:
+            evals.append((steps[-1], summary["eval_after"]))
+    if evals:
+        axes[0].plot(*zip(*evals), "o--", label="held-out accuracy")
+    axes[0].set_xlabel("step")
+    axes[0].set_title("reward")
+    axes[0].legend()
+    axes[1].plot(steps, [r["tokens_per_s"] for r in rows])
+    axes[1].set_xlabel("step")
+    axes[1].set_title("trajectory tokens/s consumed")
+    hist = summary.get("staleness_hist", {})
+    axes[2].bar([int(k) for k in hist], list(hist.values()))
+    axes[2].set_xlabel("staleness (versions)")
+    axes[2].set_title("staleness at consume")
+    if summary.get("simulated_step"):
+        fig.suptitle("simulated training step")
+    fig.tight_layout()
+    path = out / "report.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
