@@ -119,6 +119,8 @@ def test_election_fails_over_when_owner_lease_ends(etcd):
     a.close()
     assert wait_until(lambda: b.campaign("relay-master", "b"), 10)
     assert b.leader("relay-master") == "b"
+    b.resign("relay-master")
+    assert b.leader("relay-master") is None
     b.close()
 
 

@@ -343,11 +343,14 @@ class EtcdCoordinator(Coordinator):
             if self._elections.pop(name, None) is None:
                 return
             key = self.keys.election(name)
-            lease_id = self._lease_id
+            raw, meta = self._call("get leader", lambda c: c.get(key))
+            if raw is None or meta.lease_id != self._lease_id:
+                return
 
             def txn(c):
+                # Delete only the owner record we just read (same revision).
                 return c.transaction(
-                    compare=[c.transactions.lease(key) == lease_id],
+                    compare=[c.transactions.mod(key) == meta.mod_revision],
                     success=[c.transactions.delete(key)],
                     failure=[],
                 )

@@ -1,0 +1,811 @@
+"""Client of the relay tier: publish weight versions, fetch them, ask for status.
+
+Owns how a trainer hands a version to the master relay and how a rollout
+reads one from its relay. The trainer calls :meth:`RelayClient.publish`,
+which returns once the master has stored and verified every chunk and made
+the version visible in etcd (the hand-off); the relays spread it along the
+chain afterwards, without the trainer. A rollout calls
+:meth:`RelayClient.fetch`, which prefers a relay on its own host and then
+maps the relay's shared memory instead of copying the bytes.
+
+Behaviour under failure:
+
+- The master is resolved through the coordinator (election
+  ``relay-master``). A publish that fails because the master died or lost the
+  election is retried on the newly elected master, with bounded jittered
+  backoff, until ``publish_timeout_s``: at most the in-flight version is
+  re-sent.
+- Refusals (version not newer than the published one, malformed or oversized
+  manifest, store full) are raised at once as the relay's error class
+  (see ``relay_wire``); they are never retried.
+- A fetch tries the local relay (waiting up to ``wait_s`` for a version it is
+  still receiving), then the master, then the other relays.
+
+Invariants: a :class:`FetchedWeights` is always a complete version whose
+chunks were verified (by the relay that stored it, and by this client when the
+bytes crossed a network); buffers passed to ``publish`` are read, never kept
+after it returns.
+
+Never imports torch or numpy.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import mmap
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from .codec import ChunkSpec, WeightManifest
+from .dataplane import ChunkSender, make_chunk_sender
+from .errors import (
+    CoordinationError,
+    EtcdUnavailableError,
+    LaminarError,
+    ProtocolError,
+    TransportError,
+)
+from .membership import Coordinator, VersionRecord
+from .proto import relay_pb2, relay_pb2_grpc
+from .relay_wire import (
+    MASTER_ELECTION,
+    RELAY_ROLE,
+    NotMasterError,
+    VersionNotFoundError,
+    error_from_rpc,
+    manifest_from_proto,
+    manifest_to_proto,
+    protocol_metadata,
+)
+from .weights import (
+    DEFAULT_ALIGNMENT,
+    DEFAULT_CHUNK_BYTES,
+    ChunkPayload,
+    NamedBuffer,
+    as_named_buffers,
+    checksum,
+    iter_chunks,
+    plan_chunks,
+    plan_tensors,
+    tensor_views,
+    validate_manifest,
+    verify_buffer,
+    verify_chunk,
+)
+
+__all__ = ["RelayClient", "PublishResult", "FetchedWeights", "RelayHealth", "RelayRef"]
+
+log = logging.getLogger(__name__)
+
+_GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+]
+TensorLike = NamedBuffer | tuple[str, str, Sequence[int], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayRef:
+    """One relay as the client addresses it."""
+
+    member_id: str
+    address: str
+    host: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """What :meth:`RelayClient.publish` handed off."""
+
+    version: int
+    master_id: str
+    total_bytes: int
+    chunks: int
+    seconds: float
+    attempts: int
+    manifest: WeightManifest
+
+
+@dataclass(frozen=True, slots=True)
+class RelayHealth:
+    """A relay's answer to ``Health``."""
+
+    relay_id: str
+    master: bool
+    master_id: str
+    versions: tuple[int, ...]
+    receiving: tuple[int, ...]
+    upstream_id: str
+    downstream_id: str
+    chain: tuple[str, ...]
+    used_bytes: int
+    max_bytes: int
+    readers: int
+    protocol_version: int
+    package_version: str
+    data_endpoint: str
+    forwarded_version: int
+    serving: bool
+    rejected: dict[str, int] = field(default_factory=dict)
+    sealed_at: dict[int, float] = field(default_factory=dict)
+    """Unix time at which each version held was sealed on this relay."""
+
+
+class FetchedWeights:
+    """A complete weight version, readable as one flat buffer or per tensor.
+
+    ``source`` is ``"shm"`` when ``buffer`` maps the relay's shared memory (no
+    copy; the relay keeps the version until :meth:`release`), or ``"stream"``
+    when the bytes were copied over the network into this process.
+    Use as a context manager, or call :meth:`release` once the weights are
+    loaded; the buffer stays readable afterwards, but the relay may then drop
+    the version.
+    """
+
+    def __init__(
+        self,
+        manifest: WeightManifest,
+        buffer: memoryview,
+        source: str,
+        relay_id: str,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.buffer = buffer
+        self.source = source
+        self.relay_id = relay_id
+        self._release = release
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    def tensors(self) -> dict[str, memoryview]:
+        """Zero-copy byte views of every tensor, by name (dtype/shape are in the manifest)."""
+        return tensor_views(self.manifest, self.buffer)
+
+    def release(self) -> None:
+        """Give the relay its reader lease back (idempotent)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> FetchedWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Backoff:
+    def __init__(self, initial: float = 0.1, maximum: float = 2.0) -> None:
+        self.initial, self.maximum, self.attempt = initial, maximum, 0
+
+    def next_delay(self) -> float:
+        delay = min(self.maximum, self.initial * (2**self.attempt))
+        self.attempt += 1
+        return random.uniform(delay / 2, delay)
+
+
+class RelayClient:
+    """Publishes to and fetches from the relay tier of one job.
+
+    Args:
+        coordinator: the job's coordinator, used read-only to find relays,
+            the master and the latest version (the client does not register).
+        address: instead of a coordinator, one relay's gRPC ``host:port``
+            (used as master and as the only read source).
+        client_id: names this client in relay logs and reader leases.
+        host: this machine's host name, to recognise same-host relays.
+        chunk_bytes: chunk size of published versions.
+        rpc_timeout_s: deadline of each short control call.
+        publish_timeout_s: total time a publish may take, retries included.
+        failover_wait_s: after a master fails, how long to wait for another
+            relay to win the election before trying the same one again.
+        hash_threads: threads checksumming chunks while they are sent.
+        send_timeout_s: a chunk the master does not take within this fails the
+            attempt (how long a publish notices a master that died mid-send).
+        use_shared_memory: map a same-host relay's memory instead of streaming.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator | None = None,
+        *,
+        address: str | None = None,
+        client_id: str | None = None,
+        host: str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        alignment: int = DEFAULT_ALIGNMENT,
+        rpc_timeout_s: float = 10.0,
+        publish_timeout_s: float = 300.0,
+        failover_wait_s: float = 10.0,
+        max_attempts: int = 8,
+        hash_threads: int = 2,
+        send_hwm: int = 8,
+        send_timeout_s: float = 10.0,
+        use_shared_memory: bool = True,
+    ) -> None:
+        if (coordinator is None) == (address is None):
+            raise ValueError("give exactly one of coordinator or address")
+        plan_chunks(1, chunk_bytes)  # validates chunk_bytes
+        self._coord = coordinator
+        self._address = address
+        self.client_id = client_id or f"client-{socket.gethostname()}-{os.getpid()}"
+        self.host = host or socket.gethostname()
+        self.chunk_bytes = chunk_bytes
+        self.alignment = alignment
+        self.rpc_timeout_s = rpc_timeout_s
+        self.publish_timeout_s = publish_timeout_s
+        self.failover_wait_s = failover_wait_s
+        self.max_attempts = max(1, max_attempts)
+        self.hash_threads = max(1, hash_threads)
+        self.send_hwm = send_hwm
+        self.send_timeout_s = send_timeout_s
+        self.use_shared_memory = use_shared_memory
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
+        self._senders: dict[str, ChunkSender] = {}
+        self._suspect: tuple[str, float] | None = None
+        self._closed = threading.Event()
+        self._hash_pool: ThreadPoolExecutor | None = None
+        self._async_pool: ThreadPoolExecutor | None = None
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _stub(self, address: str) -> relay_pb2_grpc.RelayStub:
+        with self._lock:
+            if self._closed.is_set():
+                raise TransportError("RelayClient is closed")
+            entry = self._channels.get(address)
+            if entry is None:
+                channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+                entry = (channel, relay_pb2_grpc.RelayStub(channel))
+                self._channels[address] = entry
+            return entry[1]
+
+    def _call(self, method: Any, request: Any, what: str, timeout: float) -> Any:
+        try:
+            return method(request, timeout=max(0.1, timeout), metadata=protocol_metadata())
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, what) from exc
+
+    def _sender(self, endpoint: str) -> ChunkSender:
+        sender = self._senders.get(endpoint)
+        if sender is None:
+            sender = make_chunk_sender(
+                endpoint, hwm=self.send_hwm, send_timeout_s=self.send_timeout_s
+            )
+            self._senders[endpoint] = sender
+        return sender
+
+    def _drop_sender(self, endpoint: str) -> None:
+        sender = self._senders.pop(endpoint, None)
+        if sender is not None:
+            sender.close()
+
+    def relays(self) -> dict[str, RelayRef]:
+        """Live relays by member id (the fixed address alone without a coordinator)."""
+        if self._coord is None:
+            assert self._address is not None
+            return {self._address: RelayRef(self._address, self._address)}
+        return {
+            mid: RelayRef(mid, rec.address, rec.host)
+            for mid, rec in self._coord.members(RELAY_ROLE).items()
+        }
+
+    def master(self, wait_s: float = 0.0) -> RelayRef:
+        """The master relay, waiting up to ``wait_s`` for one to be elected.
+
+        Raises:
+            TransportError: no master was elected in time.
+        """
+        return self._master(time.monotonic() + wait_s)
+
+    def _master(self, deadline: float) -> RelayRef:
+        if self._coord is None:
+            assert self._address is not None
+            return RelayRef(self._address, self._address)
+        backoff = _Backoff()
+        problem = "no relay has won the master election"
+        while True:
+            try:
+                leader = self._coord.leader(MASTER_ELECTION)
+                if leader is not None and not self._is_suspect(leader):
+                    rec = self._coord.members(RELAY_ROLE).get(leader)
+                    if rec is not None:
+                        return RelayRef(rec.member_id, rec.address, rec.host)
+                    problem = f"master {leader!r} has no live member record"
+                elif leader is not None:
+                    problem = f"master {leader!r} just failed and no other relay took over yet"
+            except CoordinationError as exc:
+                problem = f"etcd lookup failed: {exc}"
+            if time.monotonic() >= deadline:
+                raise TransportError(
+                    f"no usable relay master for job {self._coord.keys.job!r}: {problem}; are "
+                    "laminar-relay processes running for this job?"
+                )
+            self._closed.wait(min(backoff.next_delay(), max(0.0, deadline - time.monotonic())))
+            if self._closed.is_set():
+                raise TransportError("RelayClient is closed")
+
+    def _is_suspect(self, member_id: str) -> bool:
+        suspect = self._suspect
+        return (
+            suspect is not None
+            and suspect[0] == member_id
+            and time.monotonic() - suspect[1] < self.failover_wait_s
+        )
+
+    # -- publish ------------------------------------------------------------
+
+    def publish(
+        self, version: int, tensors: Iterable[TensorLike], *, trainer_step: int = -1
+    ) -> PublishResult:
+        """Hand one weight version to the master relay.
+
+        Returns once the master holds every chunk, verified, and the version
+        is visible in etcd; the chain broadcast goes on in the background.
+
+        Args:
+            version: the new version; must be greater than the published one.
+            tensors: ``(name, dtype, shape, buffer)`` tuples or
+                :class:`~laminar_common.weights.NamedBuffer` s; buffers must
+                stay unchanged until this returns.
+            trainer_step: recorded with the version.
+
+        Raises:
+            VersionConflictError: ``version`` is not newer than the published one.
+            ProtocolError: the relay refused the manifest or a chunk (see message).
+            StoreFullError: the master has no room within its memory cap.
+            NotMasterError: the fixed ``address`` is not the master.
+            TransportError: no master took the version within ``publish_timeout_s``.
+            ValueError: bad tensors (names, dtypes, sizes).
+        """
+        if version < 0:
+            raise ValueError(f"weight version must be >= 0, got {version}")
+        buffers = as_named_buffers(tensors)
+        specs, total = plan_tensors(buffers, self.alignment)
+        layout = WeightManifest(
+            version=version,
+            total_bytes=total,
+            chunk_bytes=self.chunk_bytes,
+            tensors=specs,
+            chunks=plan_chunks(total, self.chunk_bytes),
+            created_at=time.time(),
+            trainer_step=trainer_step,
+        )
+        start = time.monotonic()
+        deadline = start + self.publish_timeout_s
+        backoff = _Backoff(initial=0.2)
+        last: LaminarError | None = None
+        with self._publish_lock:
+            for attempt in range(1, self.max_attempts + 1):
+                relay = self._master(deadline)
+                try:
+                    manifest = self._publish_once(relay, layout, buffers, deadline)
+                except (NotMasterError, TransportError, EtcdUnavailableError) as exc:
+                    if isinstance(exc, NotMasterError) and self._coord is None:
+                        raise  # a fixed address cannot be re-resolved
+                    last = exc
+                    self._suspect = (relay.member_id, time.monotonic())
+                    log.warning(
+                        "publish of version %d to master %s failed (attempt %d): %s",
+                        version,
+                        relay.member_id,
+                        attempt,
+                        exc,
+                    )
+                    if time.monotonic() >= deadline:
+                        break
+                    self._closed.wait(
+                        min(backoff.next_delay(), max(0.0, deadline - time.monotonic()))
+                    )
+                    continue
+                self._suspect = None
+                return PublishResult(
+                    version,
+                    relay.member_id,
+                    total,
+                    len(layout.chunks),
+                    time.monotonic() - start,
+                    attempt,
+                    manifest,
+                )
+        raise TransportError(
+            f"publish of weight version {version} did not reach a master relay "
+            f"({self.max_attempts} attempts, {self.publish_timeout_s:.0f}s): {last}"
+        ) from last
+
+    def publish_async(
+        self, version: int, tensors: Iterable[TensorLike], *, trainer_step: int = -1
+    ) -> Future[PublishResult]:
+        """:meth:`publish` on a background thread (one publish at a time, in call order).
+
+        The buffers must stay unchanged until the future completes.
+        """
+        with self._lock:
+            if self._async_pool is None:
+                self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="relay-publish")
+            pool = self._async_pool
+        return pool.submit(self.publish, version, list(tensors), trainer_step=trainer_step)
+
+    def _hashed(self, buffers: Sequence[NamedBuffer], layout: WeightManifest):
+        """Yield ``(index, digest, payload)`` in order, checksumming ahead on a pool."""
+        with self._lock:
+            if self._hash_pool is None:
+                self._hash_pool = ThreadPoolExecutor(
+                    self.hash_threads, thread_name_prefix="relay-hash"
+                )
+            pool = self._hash_pool
+
+        def work(p: ChunkPayload) -> tuple[int, bytes, Any]:
+            data = p.contiguous()
+            return p.index, hashlib.blake2b(data, digest_size=16).digest(), data
+
+        window: collections.deque[Future] = collections.deque()
+        try:
+            for payload in iter_chunks(buffers, layout.tensors, layout.chunks):
+                window.append(pool.submit(work, payload))
+                if len(window) > 2 * self.hash_threads:
+                    yield window.popleft().result()
+            while window:
+                yield window.popleft().result()
+        finally:
+            for fut in window:
+                fut.cancel()
+
+    def _publish_once(
+        self,
+        relay: RelayRef,
+        layout: WeightManifest,
+        buffers: Sequence[NamedBuffer],
+        deadline: float,
+    ) -> WeightManifest:
+        stub = self._stub(relay.address)
+        what = (
+            f"publish of weight version {layout.version} to relay {relay.member_id} "
+            f"({relay.address})"
+        )
+        begin = self._call(
+            stub.BeginPublish,
+            relay_pb2.BeginPublishRequest(
+                manifest=manifest_to_proto(layout),
+                origin=relay_pb2.ORIGIN_PUBLISHER,
+                sender_id=self.client_id,
+            ),
+            what,
+            min(self.rpc_timeout_s, deadline - time.monotonic()),
+        )
+        if not begin.accepted:
+            raise ProtocolError(f"{what}: refused: {begin.reason}")
+        checksums: list[str] = []
+        try:
+            sender = self._sender(begin.data_endpoint)
+            for index, digest, data in self._hashed(buffers, layout):
+                sender.send(begin.session, index, digest, data)
+                checksums.append(digest.hex())
+            reply = self._call(
+                stub.CommitPublish,
+                relay_pb2.CommitPublishRequest(
+                    session=begin.session, chunks_sent=len(checksums), checksums=checksums
+                ),
+                what,
+                deadline - time.monotonic(),
+            )
+        except LaminarError as exc:
+            if isinstance(exc, TransportError):
+                self._drop_sender(begin.data_endpoint)
+            self._abort(stub, begin.session, f"publisher gave up: {exc}", relay)
+            raise
+        log.debug(
+            "relay %s accepted version %d (visible=%s)",
+            reply.relay_id,
+            reply.version,
+            reply.visible,
+        )
+        chunks = tuple(
+            ChunkSpec(c.index, c.offset, c.nbytes, s) for c, s in zip(layout.chunks, checksums)
+        )
+        return WeightManifest(
+            layout.version,
+            layout.total_bytes,
+            layout.chunk_bytes,
+            layout.tensors,
+            chunks,
+            layout.created_at,
+            layout.trainer_step,
+        )
+
+    def _abort(
+        self, stub: relay_pb2_grpc.RelayStub, session: bytes, reason: str, relay: RelayRef
+    ) -> None:
+        try:
+            self._call(
+                stub.AbortPublish,
+                relay_pb2.AbortPublishRequest(session=session, reason=reason),
+                f"abort on relay {relay.member_id}",
+                min(2.0, self.rpc_timeout_s),
+            )
+        except LaminarError as exc:
+            log.info(
+                "could not abort the publish session on relay %s (it expires on its own): %s",
+                relay.member_id,
+                exc,
+            )
+
+    # -- fetch --------------------------------------------------------------
+
+    def latest(self) -> VersionRecord | None:
+        """The latest complete version: from etcd, or the fixed relay's newest."""
+        if self._coord is not None:
+            return self._coord.latest_version()
+        relay = self._master(time.monotonic())
+        reply = self._call(
+            self._stub(relay.address).Latest,
+            relay_pb2.LatestRequest(),
+            f"latest on relay {relay.address}",
+            self.rpc_timeout_s,
+        )
+        if reply.version < 0:
+            return None
+        return VersionRecord(
+            version=reply.version,
+            total_bytes=reply.total_bytes,
+            master_id=reply.relay_id,
+            trainer_step=reply.trainer_step,
+        )
+
+    def _read_candidates(self) -> list[RelayRef]:
+        relays = self.relays()
+        if self._coord is None:
+            return list(relays.values())
+        leader = self._coord.leader(MASTER_ELECTION)
+
+        def rank(r: RelayRef) -> bytes:
+            return hashlib.blake2b(
+                f"{self.client_id}/{r.member_id}".encode(), digest_size=8
+            ).digest()
+
+        local = sorted((r for r in relays.values() if r.host == self.host), key=rank)
+        rest = sorted((r for r in relays.values() if r.host != self.host), key=rank)
+        rest.sort(key=lambda r: r.member_id != leader)
+        return local + rest
+
+    def fetch(
+        self,
+        version: int | None = None,
+        *,
+        wait_s: float = 30.0,
+        verify: bool | None = None,
+        relay: str | None = None,
+    ) -> FetchedWeights:
+        """Read one complete weight version.
+
+        Args:
+            version: the version to read; ``None`` for the latest (from etcd
+                when the client has a coordinator, else the relay's newest).
+            wait_s: how long the first relay tried may wait for a version it
+                is still receiving through the chain.
+            verify: check every chunk checksum here. Default: yes for bytes
+                that crossed the network, no for same-host shared memory
+                (the relay verified them when it stored them).
+            relay: read from this relay only (member id or ``host:port``).
+
+        Raises:
+            VersionNotFoundError: no relay holds the version (or none is published).
+            TransportError: no relay could be reached.
+            ProtocolError: the bytes failed verification.
+        """
+        if version is None and self._coord is not None:
+            record = self._coord.latest_version()
+            if record is None:
+                raise VersionNotFoundError(
+                    f"no weight version has been published yet in job {self._coord.keys.job!r}"
+                )
+            version = record.version
+        if relay is not None:
+            known = self.relays()
+            candidates = [known.get(relay) or RelayRef(relay, relay)]
+        else:
+            candidates = self._read_candidates()
+        if not candidates:
+            raise TransportError("no relay is registered for this job")
+        errors: list[str] = []
+        last: LaminarError | None = None
+        for i, ref in enumerate(candidates):
+            try:
+                return self._fetch_from(ref, version, wait_s if i == 0 else 0.0, verify)
+            except (VersionNotFoundError, TransportError) as exc:
+                errors.append(f"{ref.member_id}: {exc}")
+                last = exc
+        what = "the latest version" if version is None else f"weight version {version}"
+        cls = VersionNotFoundError if isinstance(last, VersionNotFoundError) else TransportError
+        raise cls(f"could not fetch {what} from any relay: " + "; ".join(errors)) from last
+
+    def _fetch_from(
+        self, ref: RelayRef, version: int | None, wait_s: float, verify: bool | None
+    ) -> FetchedWeights:
+        stub = self._stub(ref.address)
+        label = "latest" if version is None else f"version {version}"
+        what = f"fetch of {label} from relay {ref.member_id}"
+        reply = self._call(
+            stub.Fetch,
+            relay_pb2.FetchRequest(
+                version=-1 if version is None else version, reader_id=self.client_id, wait_s=wait_s
+            ),
+            what,
+            wait_s + self.rpc_timeout_s,
+        )
+        relay_id = reply.relay_id or ref.member_id
+
+        def release() -> None:
+            self._release(ref, reply.lease)
+
+        try:
+            manifest = manifest_from_proto(reply.manifest)
+            validate_manifest(manifest)
+            if version is not None and manifest.version != version:
+                raise ProtocolError(f"{what}: relay answered with version {manifest.version}")
+            if self.use_shared_memory and reply.shm_path and reply.host == self.host:
+                view = self._map_shared(reply.shm_path, manifest, verify=bool(verify))
+                if view is not None:
+                    return FetchedWeights(manifest, view, "shm", relay_id, release)
+            buf = self._read_stream(stub, reply.lease, manifest, verify is not False, what)
+        except BaseException:
+            release()
+            raise
+        release()
+        return FetchedWeights(manifest, memoryview(buf), "stream", relay_id)
+
+    def _map_shared(self, path: str, manifest: WeightManifest, verify: bool) -> memoryview | None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            log.debug("cannot open relay shared memory %s (%s); streaming instead", path, exc)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size < manifest.total_bytes:
+                log.debug(
+                    "relay shared memory %s is %d bytes, need %d; streaming instead",
+                    path,
+                    size,
+                    manifest.total_bytes,
+                )
+                return None
+            mm = mmap.mmap(fd, manifest.total_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        view = memoryview(mm)
+        if verify:
+            verify_buffer(manifest, view)
+        else:
+            first = manifest.chunks[0]
+            # Identity check: a same-named host with another relay must not pass.
+            if checksum(view[first.offset : first.offset + first.nbytes]) != first.checksum:
+                log.warning(
+                    "relay shared memory %s does not hold version %d; streaming instead",
+                    path,
+                    manifest.version,
+                )
+                return None
+        return view
+
+    def _read_stream(
+        self,
+        stub: relay_pb2_grpc.RelayStub,
+        lease: str,
+        manifest: WeightManifest,
+        verify: bool,
+        what: str,
+    ) -> bytearray:
+        out = bytearray(manifest.total_bytes)
+        expected = 0
+        try:
+            for chunk in stub.Read(
+                relay_pb2.ReadRequest(lease=lease),
+                timeout=self.rpc_timeout_s + manifest.total_bytes / 50e6,
+                metadata=protocol_metadata(),
+            ):
+                if chunk.index != expected or expected >= len(manifest.chunks):
+                    raise ProtocolError(f"{what}: got chunk {chunk.index}, expected {expected}")
+                spec = manifest.chunks[expected]
+                if verify:
+                    verify_chunk(spec, chunk.data)
+                elif len(chunk.data) != spec.nbytes:
+                    raise ProtocolError(f"{what}: chunk {expected} has {len(chunk.data)} bytes")
+                out[spec.offset : spec.offset + spec.nbytes] = chunk.data
+                expected += 1
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, what) from exc
+        if expected != len(manifest.chunks):
+            raise ProtocolError(
+                f"{what}: stream ended after {expected} of {len(manifest.chunks)} chunks"
+            )
+        return out
+
+    def _release(self, ref: RelayRef, lease: str) -> None:
+        if not lease:
+            return
+        try:
+            self._call(
+                self._stub(ref.address).Release,
+                relay_pb2.ReleaseRequest(lease=lease),
+                f"release on relay {ref.member_id}",
+                self.rpc_timeout_s,
+            )
+        except LaminarError as exc:
+            log.warning(
+                "could not release reader lease on relay %s (it will expire): %s",
+                ref.member_id,
+                exc,
+            )
+
+    # -- status -------------------------------------------------------------
+
+    def health(self, relay: str | None = None) -> RelayHealth:
+        """Health of one relay (member id or ``host:port``; default: the master)."""
+        if relay is None:
+            ref = self._master(time.monotonic())
+        else:
+            ref = self.relays().get(relay) or RelayRef(relay, relay)
+        r = self._call(
+            self._stub(ref.address).Health,
+            relay_pb2.HealthRequest(),
+            f"health of relay {ref.member_id}",
+            self.rpc_timeout_s,
+        )
+        return RelayHealth(
+            relay_id=r.relay_id,
+            master=r.master,
+            master_id=r.master_id,
+            versions=tuple(r.versions),
+            receiving=tuple(r.receiving),
+            upstream_id=r.upstream_id,
+            downstream_id=r.downstream_id,
+            chain=tuple(r.chain),
+            used_bytes=r.used_bytes,
+            max_bytes=r.max_bytes,
+            readers=r.readers,
+            protocol_version=r.protocol_version,
+            package_version=r.package_version,
+            data_endpoint=r.data_endpoint,
+            forwarded_version=r.forwarded_version,
+            serving=r.serving,
+            rejected=dict(r.rejected),
+            sealed_at=dict(r.sealed_at),
+        )
+
+    def close(self) -> None:
+        """Close channels, sockets and worker threads (idempotent)."""
+        self._closed.set()
+        with self._lock:
+            channels, self._channels = self._channels, {}
+            pools = [p for p in (self._hash_pool, self._async_pool) if p is not None]
+            self._hash_pool = self._async_pool = None
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+        with self._publish_lock:
+            for endpoint in list(self._senders):
+                self._drop_sender(endpoint)
+        for channel, _ in channels.values():
+            channel.close()
+
+    def __enter__(self) -> RelayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

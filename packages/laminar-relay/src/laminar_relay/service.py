@@ -1,0 +1,467 @@
+"""RelayService: one relay process, wired together.
+
+Owns the relay's lifecycle and background work: the data-plane receiver and
+the pool that checksums and stores incoming chunks, the gRPC server, the
+chain forwarder, registration in etcd (control address, data-plane address,
+store kind), the master election and the control loop that follows
+membership to rebuild the chain.
+
+Behaviour:
+
+- Every relay campaigns for ``relay-master`` whenever nobody holds it; the
+  election key is bound to the winner's lease, so when the master dies another
+  relay wins within about one TTL. Publishers re-resolve the master.
+- The chain is recomputed on every membership change (and every
+  ``control_interval_s``): a relay whose lease expired drops out and its
+  neighbours are joined; the new downstream is offered the newest version.
+- etcd outages are logged and retried by the control loop; the relay keeps
+  serving what it holds.
+
+Invariants: components get plain arguments (see :func:`make_relay_service`
+for the config mapping); the master publishes a version in etcd only from the
+store's ``before_seal`` hook, i.e. after every chunk is stored and verified.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from laminar_common.codec import PROTOCOL_VERSION, WeightManifest
+from laminar_common.dataplane import ChunkFrame, ZmqChunkReceiver
+from laminar_common.errors import (
+    CoordinationError,
+    EtcdUnavailableError,
+    LaminarError,
+    TransportError,
+)
+from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent, VersionRecord
+from laminar_common.proto import relay_pb2, relay_pb2_grpc
+from laminar_common.relay_wire import (
+    EXTRA_DATA_ENDPOINT,
+    EXTRA_STORE,
+    MASTER_ELECTION,
+    RELAY_ROLE,
+    VersionConflictError,
+)
+from laminar_common.service import Service
+
+from .buffers import make_allocator
+from .chain import ChainForwarder, neighbours, order_chain
+from .config import RelayConfig
+from .server import RelayServicer
+from .store import UnknownSessionError, WeightStore
+from .version import __version__
+
+__all__ = ["RelayService", "make_relay_service", "default_member_id"]
+
+log = logging.getLogger(__name__)
+
+_GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+]
+_LOG_FIRST = 20
+
+
+def default_member_id() -> str:
+    """``relay-<hostname>-<pid>``, made safe for an etcd key segment."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+    return f"relay-{host or 'host'}-{os.getpid()}"
+
+
+class RelayService(Service):
+    """One relay: store, gRPC control API, data plane, chain, etcd membership.
+
+    Args:
+        member_id: this relay's id in the job.
+        coordinator: the job's coordinator (real etcd or the in-memory twin).
+        store: the weight store.
+        bind_host: interface the servers listen on.
+        advertise_host: host name or IP peers use to reach this relay.
+        host: host name same-host readers compare with theirs.
+        store_backend: ``memfd`` or ``heap`` (advertised in etcd).
+        grpc_port / data_port: ports (0: any free port).
+        grpc_workers: gRPC server threads.
+        verify_threads: threads storing (and checksumming) incoming chunks.
+        max_chunk_bytes: larger data-plane chunks are rejected.
+        send_hwm / send_timeout_s: data-plane backpressure towards downstream.
+        max_forward_bytes_per_s: pace forwarding (0: unlimited).
+        commit_timeout_s: commit wait for chunks still in flight.
+        session_idle_s: idle publish sessions are dropped after this.
+        reader_lease_s: reader lease TTL.
+        max_fetch_wait_s: cap on a fetch's wait for a version still arriving.
+        control_interval_s: period of the election/chain check.
+        rpc_timeout_s: deadline of calls to other relays.
+    """
+
+    name = "relay"
+
+    def __init__(
+        self,
+        *,
+        member_id: str,
+        coordinator: Coordinator,
+        store: WeightStore,
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        host: str | None = None,
+        store_backend: str = "memfd",
+        grpc_port: int = 0,
+        grpc_workers: int = 16,
+        data_port: int = 0,
+        verify_threads: int = 2,
+        max_chunk_bytes: int = 64 * 1024 * 1024,
+        send_hwm: int = 8,
+        send_timeout_s: float = 10.0,
+        max_forward_bytes_per_s: int = 0,
+        commit_timeout_s: float = 60.0,
+        session_idle_s: float = 30.0,
+        reader_lease_s: float = 300.0,
+        max_fetch_wait_s: float = 120.0,
+        control_interval_s: float = 1.0,
+        rpc_timeout_s: float = 10.0,
+    ) -> None:
+        super().__init__()
+        self.member_id = member_id
+        self.coordinator = coordinator
+        self.store = store
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host or socket.gethostname()
+        self.host = host or socket.gethostname()
+        self.store_backend = store_backend
+        self._grpc_port = grpc_port
+        self._grpc_workers = grpc_workers
+        self._data_port = data_port
+        self._verify_threads = verify_threads
+        self._max_chunk_bytes = max_chunk_bytes
+        self._send_hwm = send_hwm
+        self._send_timeout_s = send_timeout_s
+        self._max_forward_bytes_per_s = max_forward_bytes_per_s
+        self._commit_timeout_s = commit_timeout_s
+        self._session_idle_s = session_idle_s
+        self._reader_lease_s = reader_lease_s
+        self._max_fetch_wait_s = max_fetch_wait_s
+        self._control_interval_s = control_interval_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self.address = ""
+        self.data_endpoint = ""
+        self.is_master = False
+        self.master_id: str | None = None
+        self.chain: list[str] = []
+        self.upstream_id = ""
+        self._wake = threading.Event()
+        self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
+        self._channels_lock = threading.Lock()
+        self._chunk_rejects: dict[str, int] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._slots: threading.BoundedSemaphore | None = None
+        self._receiver: ZmqChunkReceiver | None = None
+        self._server: grpc.Server | None = None
+        self.servicer: RelayServicer | None = None
+        self.forwarder: ChainForwarder | None = None
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def _start(self) -> None:
+        self._pool = ThreadPoolExecutor(self._verify_threads, thread_name_prefix="relay-store")
+        self._slots = threading.BoundedSemaphore(2 * self._verify_threads)
+        self._receiver = ZmqChunkReceiver(
+            self._on_chunk,
+            bind_host=self.bind_host,
+            advertise_host=self.advertise_host,
+            port=self._data_port,
+            max_chunk_bytes=self._max_chunk_bytes,
+            hwm=self._send_hwm,
+            name=f"data-plane-{self.member_id}",
+        )
+        self.data_endpoint = self._receiver.endpoint
+        self.forwarder = ChainForwarder(
+            self.store,
+            self.member_id,
+            self._stub,
+            send_hwm=self._send_hwm,
+            send_timeout_s=self._send_timeout_s,
+            rpc_timeout_s=self._rpc_timeout_s,
+            commit_timeout_s=self._commit_timeout_s,
+            max_bytes_per_s=self._max_forward_bytes_per_s,
+        ).start()
+        self.servicer = RelayServicer(
+            self.store,
+            relay_id=self.member_id,
+            host=self.host,
+            data_endpoint=self.data_endpoint,
+            master_id=self._current_master,
+            latest_published=self._latest_published,
+            make_visible=self._make_visible,
+            on_begin=self.forwarder.offer,
+            health=self.health,
+            commit_timeout_s=self._commit_timeout_s,
+            reader_lease_s=self._reader_lease_s,
+            max_fetch_wait_s=self._max_fetch_wait_s,
+            max_waiting_fetches=max(1, self._grpc_workers - 4),
+        )
+        self._server = grpc.server(
+            ThreadPoolExecutor(self._grpc_workers, thread_name_prefix="relay-grpc"),
+            options=_GRPC_OPTIONS,
+        )
+        relay_pb2_grpc.add_RelayServicer_to_server(self.servicer, self._server)
+        try:
+            port = self._server.add_insecure_port(f"{self.bind_host}:{self._grpc_port}")
+        except RuntimeError as exc:
+            raise TransportError(
+                f"cannot bind the relay gRPC server on {self.bind_host}:{self._grpc_port}: {exc}"
+            ) from exc
+        if port == 0:
+            raise TransportError(
+                f"cannot bind the relay gRPC server on {self.bind_host}:{self._grpc_port}"
+            )
+        self.address = f"{self.advertise_host}:{port}"
+        self._server.start()
+        self.coordinator.watch_members(self._on_membership, role=RELAY_ROLE)
+        self.coordinator.register(
+            MemberRecord(
+                member_id=self.member_id,
+                role=RELAY_ROLE,
+                address=self.address,
+                host=self.host,
+                package_version=__version__,
+                protocol_version=PROTOCOL_VERSION,
+                capacity=self.store.max_bytes,
+                extra={EXTRA_DATA_ENDPOINT: self.data_endpoint, EXTRA_STORE: self.store_backend},
+            )
+        )
+        log.info(
+            "relay %s serving: control %s, data %s, store %s (%d bytes max)",
+            self.member_id,
+            self.address,
+            self.data_endpoint,
+            self.store_backend,
+            self.store.max_bytes,
+        )
+        self._refresh()
+        self.spawn(self._control_loop, "control")
+
+    def _close(self) -> None:
+        # Revoking the lease removes this relay's record and, if it is the master,
+        # the election key with it: the others rebuild the chain and elect at once.
+        self.coordinator.close()
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait(5.0)
+        if self.forwarder is not None:
+            self.forwarder.close()
+        if self._receiver is not None:
+            self._receiver.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+        with self._channels_lock:
+            channels, self._channels = self._channels, {}
+        for channel, _ in channels.values():
+            channel.close()
+
+    # -- control loop -------------------------------------------------------
+
+    def _on_membership(self, event: MembershipEvent) -> None:
+        # Called from the coordinator's thread (inline, with its lock, for the twin):
+        # only wake the control loop.
+        self._wake.set()
+
+    def _control_loop(self) -> None:
+        next_check = time.monotonic() + self._control_interval_s
+        while not self.stopping.is_set():
+            # Short waits so close() is not held up; membership events wake us at once.
+            if not self._wake.wait(0.1) and time.monotonic() < next_check:
+                continue
+            self._wake.clear()
+            next_check = time.monotonic() + self._control_interval_s
+            try:
+                self._refresh()
+            except LaminarError as exc:
+                log.warning(
+                    "relay %s: election/chain check failed, retrying: %s", self.member_id, exc
+                )
+            self.store.maintain(self._session_idle_s)
+
+    def _refresh(self) -> None:
+        leader = self.coordinator.leader(MASTER_ELECTION)
+        if leader is None and self.coordinator.registered:
+            if self.coordinator.campaign(MASTER_ELECTION, self.member_id):
+                log.info("relay %s won the master election", self.member_id)
+            leader = self.coordinator.leader(MASTER_ELECTION)
+        members = self.coordinator.members(RELAY_ROLE)
+        chain = order_chain(members, leader)
+        upstream, downstream = neighbours(chain, self.member_id)
+        was_master = self.is_master
+        self.master_id = leader
+        self.is_master = leader == self.member_id
+        if self.is_master != was_master:
+            log.info(
+                "relay %s is %s the master",
+                self.member_id,
+                "now" if self.is_master else "no longer",
+            )
+        ids = [m.member_id for m in chain]
+        if ids != self.chain:
+            log.info("chain: %s", " -> ".join(ids) or "(empty)")
+        self.chain = ids
+        self.upstream_id = upstream.member_id if upstream else ""
+        assert self.forwarder is not None
+        self.forwarder.set_downstream(downstream)
+
+    # -- hooks for the servicer ----------------------------------------------
+
+    def _current_master(self) -> str | None:
+        return self.coordinator.leader(MASTER_ELECTION)
+
+    def _latest_published(self) -> int:
+        record = self.coordinator.latest_version()
+        return -1 if record is None else record.version
+
+    def _make_visible(self, manifest: WeightManifest) -> None:
+        record = VersionRecord(
+            version=manifest.version,
+            total_bytes=manifest.total_bytes,
+            master_id=self.member_id,
+            trainer_step=manifest.trainer_step,
+        )
+        try:
+            self.coordinator.publish_version(record)
+        except EtcdUnavailableError:
+            raise
+        except CoordinationError as exc:
+            raise VersionConflictError(str(exc)) from exc
+        log.info("relay %s published version %d in etcd", self.member_id, manifest.version)
+
+    def _stub(self, address: str) -> relay_pb2_grpc.RelayStub:
+        with self._channels_lock:
+            entry = self._channels.get(address)
+            if entry is None:
+                channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS[:2])
+                entry = (channel, relay_pb2_grpc.RelayStub(channel))
+                self._channels[address] = entry
+            return entry[1]
+
+    # -- data plane ---------------------------------------------------------
+
+    def _on_chunk(self, frame: ChunkFrame) -> None:
+        assert self._slots is not None and self._pool is not None
+        # Bounded hand-off to the store pool: when it is busy the receive loop
+        # stops reading, and ZeroMQ/TCP push back on the sender.
+        while not self._slots.acquire(timeout=0.2):
+            if self.stopping.is_set():
+                return
+        try:
+            self._pool.submit(self._store_chunk, frame)
+        except RuntimeError:
+            self._slots.release()
+            raise
+
+    def _store_chunk(self, frame: ChunkFrame) -> None:
+        assert self._slots is not None
+        try:
+            self.store.write_chunk(frame.session, frame.index, frame.digest, frame.payload)
+        except UnknownSessionError as exc:
+            self._count_reject("unknown-session", exc)
+        except LaminarError as exc:
+            self._count_reject(type(exc).__name__, exc)
+        finally:
+            self._slots.release()
+
+    def _count_reject(self, reason: str, exc: LaminarError) -> None:
+        n = self._chunk_rejects.get(reason, 0) + 1
+        self._chunk_rejects[reason] = n
+        if n <= _LOG_FIRST:
+            log.warning(
+                "relay %s rejected a data-plane chunk (%s): %s", self.member_id, reason, exc
+            )
+
+    # -- status -------------------------------------------------------------
+
+    def health(self) -> relay_pb2.HealthReply:
+        stats = self.store.stats()
+        rejected: dict[str, int] = {}
+        for source in (
+            self.servicer.rejected if self.servicer else {},
+            self._receiver.stats.rejected if self._receiver else {},
+            self._chunk_rejects,
+        ):
+            for key, value in source.items():
+                rejected[key] = rejected.get(key, 0) + int(value)
+        forwarder = self.forwarder
+        downstream = forwarder.downstream if forwarder else None
+        return relay_pb2.HealthReply(
+            relay_id=self.member_id,
+            master=self.is_master,
+            master_id=self.master_id or "",
+            versions=stats["versions"],
+            receiving=stats["receiving"],
+            upstream_id=self.upstream_id,
+            downstream_id=downstream.member_id if downstream else "",
+            chain=self.chain,
+            used_bytes=stats["used_bytes"],
+            max_bytes=stats["max_bytes"],
+            readers=stats["readers"],
+            protocol_version=PROTOCOL_VERSION,
+            package_version=__version__,
+            data_endpoint=self.data_endpoint,
+            forwarded_version=forwarder.forwarded_version if forwarder else -1,
+            rejected=rejected,
+            serving=self.state == "running",
+            sealed_at=stats["sealed_at"],
+        )
+
+
+def make_relay_service(config: RelayConfig, coordinator: Coordinator | None = None) -> RelayService:
+    """Build a :class:`RelayService` from a validated :class:`RelayConfig`.
+
+    Args:
+        coordinator: use this coordinator instead of connecting to
+            ``config.etcd`` (tests pass the in-memory twin).
+
+    Raises:
+        EtcdUnavailableError: etcd could not be reached.
+        LaminarError: the store backend is unavailable on this platform.
+    """
+    member_id = config.member_id or default_member_id()
+    store = WeightStore(
+        make_allocator(config.store.backend),
+        max_bytes=config.store.max_bytes,
+        max_version_bytes=config.store.version_limit,
+        keep_versions=config.store.keep_versions,
+        max_tensors=config.store.max_tensors,
+        verify_forwarded=config.chain.verify_forwarded,
+        name=f"laminar-{config.job}-{member_id}",
+    )
+    if coordinator is None:
+        from laminar_common.etcd import make_coordinator
+
+        coordinator = make_coordinator(config.etcd, config.job)
+    return RelayService(
+        member_id=member_id,
+        coordinator=coordinator,
+        store=store,
+        bind_host=config.bind_host,
+        advertise_host=config.advertise_host,
+        store_backend=config.store.backend,
+        grpc_port=config.grpc_port,
+        grpc_workers=config.grpc_workers,
+        data_port=config.data.port,
+        verify_threads=config.data.verify_threads,
+        max_chunk_bytes=config.data.max_chunk_bytes,
+        send_hwm=config.data.send_hwm,
+        send_timeout_s=config.data.send_timeout_s,
+        max_forward_bytes_per_s=config.chain.max_forward_bytes_per_s,
+        commit_timeout_s=config.chain.commit_timeout_s,
+        session_idle_s=config.chain.session_idle_s,
+        reader_lease_s=config.store.reader_lease_s,
+        max_fetch_wait_s=config.max_fetch_wait_s,
+        control_interval_s=config.chain.control_interval_s or max(0.2, config.etcd.ttl_s / 3),
+    )

@@ -1,0 +1,77 @@
+"""laminar_common.dataplane: chunk headers and the ZeroMQ sender/receiver pair."""
+
+from __future__ import annotations
+
+import os
+import queue
+
+import pytest
+import zmq
+
+from laminar_common.dataplane import (
+    ZmqChunkReceiver,
+    ZmqChunkSender,
+    decode_chunk_header,
+    encode_chunk_header,
+    make_chunk_sender,
+)
+from laminar_common.errors import ProtocolError, TransportError
+
+SESSION = bytes(range(16))
+DIGEST = bytes(range(16, 32))
+
+
+def test_header_round_trip_and_refusals():
+    raw = encode_chunk_header(SESSION, 7, DIGEST)
+    assert decode_chunk_header(raw) == (SESSION, 7, DIGEST)
+    with pytest.raises(ProtocolError, match="expected 42"):
+        decode_chunk_header(raw[:-1])
+    with pytest.raises(ProtocolError, match="does not start with"):
+        decode_chunk_header(b"XXXX" + raw[4:])
+    with pytest.raises(ProtocolError, match="protocol version 999"):
+        decode_chunk_header(raw[:4] + (999).to_bytes(2, "big") + raw[6:])
+    with pytest.raises(ValueError):
+        encode_chunk_header(b"short", 0, DIGEST)
+
+
+def test_chunks_arrive_intact_and_garbage_is_counted_not_fatal():
+    got: queue.Queue = queue.Queue()
+    receiver = ZmqChunkReceiver(
+        lambda f: got.put((f.session, f.index, f.digest, bytes(f.payload))), max_chunk_bytes=1 << 20
+    )
+    sender = ZmqChunkSender(receiver.endpoint, send_timeout_s=5)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(receiver.endpoint)
+    try:
+        raw.send_multipart([b"only-one-frame"])
+        raw.send_multipart([b"bad-header", b"payload"])
+        raw.send_multipart([encode_chunk_header(SESSION, 1, DIGEST), b"x" * ((1 << 20) + 1)])
+        payload = os.urandom(300_000)
+        sender.send(SESSION, 3, DIGEST, payload)
+        sender.send(SESSION, 4, DIGEST, b"tiny")
+        assert got.get(timeout=5) == (SESSION, 3, DIGEST, payload)
+        assert got.get(timeout=5) == (SESSION, 4, DIGEST, b"tiny")
+        rejected = receiver.stats.rejected
+        assert rejected["malformed"] == 1 and rejected["bad-header"] == 1
+        assert rejected["oversized"] == 1
+        assert receiver.stats.received == 2
+    finally:
+        raw.close(0)
+        sender.close()
+        receiver.close()
+
+
+def test_send_to_a_receiver_that_is_gone_fails_with_a_clear_error():
+    receiver = ZmqChunkReceiver(lambda f: None)
+    endpoint = receiver.endpoint
+    receiver.close()
+    sender = make_chunk_sender(endpoint, hwm=1, send_timeout_s=0.3)
+    try:
+        with pytest.raises(TransportError, match="did not get through"):
+            for i in range(4):
+                sender.send(SESSION, i, DIGEST, b"x" * 100_000)
+    finally:
+        sender.close()
+    with pytest.raises(TransportError, match="no data plane"):
+        make_chunk_sender("nccl://gpu0")

@@ -1,0 +1,126 @@
+"""RelayService with in-memory etcd: broadcast, hand-off, failover, catch-up, no partial reads."""
+
+from __future__ import annotations
+
+import threading
+
+from relay_helpers import tensors_for, wait_for
+
+from laminar_common.relay_wire import VersionNotFoundError
+
+
+def holders(relays, version):
+    return sorted(r.member_id for r in relays if version in r.store.versions())
+
+
+def assert_everyone_has(client, relays, version):
+    expected = tensors_for(version)[0][3]
+    for relay in relays:
+        with client.fetch(version, relay=relay.member_id, wait_s=5.0) as fetched:
+            assert fetched.source == "shm"
+            assert bytes(fetched.tensors()["layer.weight"]) == expected, relay.member_id
+
+
+def test_a_version_reaches_every_relay_in_the_chain(make_relay, make_client):
+    relays = [make_relay(f"r{i}") for i in range(3)]
+    wait_for(lambda: all(len(r.chain) == 3 for r in relays))
+    assert relays[0].is_master and relays[0].chain == ["r0", "r1", "r2"]
+    client = make_client()
+    result = client.publish(1, tensors_for(1), trainer_step=10)
+    assert result.master_id == "r0" and client.latest().version == 1
+    assert client.latest().trainer_step == 10
+    wait_for(lambda: holders(relays, 1) == ["r0", "r1", "r2"])
+    assert_everyone_has(client, relays, 1)
+    streamed = make_client(use_shared_memory=False)
+    with streamed.fetch(1, relay="r2") as fetched:
+        assert fetched.source == "stream"
+        assert bytes(fetched.tensors()["layer.bias"]) == tensors_for(1)[1][3]
+
+
+def test_publish_returns_at_hand_off_not_after_the_chain(make_relay, make_client):
+    # The master forwards at 1 MB/s: a 3 MB version needs ~3 s to go down the chain.
+    master = make_relay("m", chain={"max_forward_bytes_per_s": 1024 * 1024})
+    follower = make_relay("f")
+    wait_for(lambda: master.forwarder.downstream is not None)
+    client = make_client()
+    result = client.publish(1, tensors_for(1))
+    assert master.store.versions() == [1]
+    assert follower.store.versions() == [], "publish waited for the chain"
+    assert result.master_id == "m" and client.latest().version == 1
+    wait_for(lambda: follower.store.versions() == [1], timeout_s=10)
+
+
+def test_master_failover_and_the_client_re_resolves(make_relay, make_client):
+    relays = [make_relay(f"r{i}") for i in range(3)]
+    wait_for(lambda: all(len(r.chain) == 3 for r in relays))
+    client = make_client()
+    client.publish(1, tensors_for(1))
+    wait_for(lambda: holders(relays, 1) == ["r0", "r1", "r2"])
+    relays[0].close("simulated crash")
+    live = relays[1:]
+    new_master = wait_for(lambda: next((r for r in live if r.is_master), None))
+    assert new_master.member_id in ("r1", "r2")
+    result = client.publish(2, tensors_for(2))
+    assert result.master_id == new_master.member_id
+    wait_for(lambda: holders(live, 2) == ["r1", "r2"])
+    assert_everyone_has(client, live, 2)
+
+
+def test_chain_is_rebuilt_around_a_dead_relay(make_relay, make_client):
+    relays = [make_relay(f"r{i}") for i in range(4)]
+    wait_for(lambda: all(len(r.chain) == 4 for r in relays))
+    client = make_client()
+    client.publish(1, tensors_for(1))
+    wait_for(lambda: holders(relays, 1) == ["r0", "r1", "r2", "r3"])
+    relays[1].close("simulated crash")
+    live = [relays[0], relays[2], relays[3]]
+    wait_for(lambda: all(r.chain == ["r0", "r2", "r3"] for r in live))
+    client.publish(2, tensors_for(2))
+    wait_for(lambda: holders(live, 2) == ["r0", "r2", "r3"])
+    assert_everyone_has(client, live, 2)
+
+
+def test_a_relay_that_joins_late_catches_up_with_the_newest_version(make_relay, make_client):
+    first = make_relay("r0")
+    client = make_client()
+    client.publish(1, tensors_for(1))
+    client.publish(2, tensors_for(2))
+    late = make_relay("r1")
+    wait_for(lambda: late.store.versions() == [2])
+    assert_everyone_has(client, [late], 2)
+    assert first.store.versions() == [1, 2]
+
+
+def test_readers_never_see_a_partial_version(make_relay, make_client):
+    relays = [make_relay(f"r{i}") for i in range(3)]
+    wait_for(lambda: all(len(r.chain) == 3 for r in relays))
+    publisher = make_client()
+    reader = make_client(use_shared_memory=False)
+    seen: list[int] = []
+    problems: list[str] = []
+    done = threading.Event()
+
+    def read_forever():
+        while not done.is_set():
+            try:
+                with reader.fetch(relay="r2", wait_s=0.0, verify=True) as fetched:
+                    want = tensors_for(fetched.version)[0][3]
+                    if bytes(fetched.tensors()["layer.weight"]) != want:
+                        problems.append(f"version {fetched.version} differs")
+                    seen.append(fetched.version)
+            except VersionNotFoundError:
+                pass  # nothing published yet
+
+    thread = threading.Thread(target=read_forever)
+    thread.start()
+    try:
+        for version in range(1, 6):
+            publisher.publish(version, tensors_for(version))
+        wait_for(lambda: 5 in relays[2].store.versions())
+        wait_for(lambda: seen and seen[-1] == 5)
+    finally:
+        done.set()
+        thread.join(10)
+    assert not problems
+    assert seen == sorted(seen), "a reader went back in time"
+    assert seen[-1] == 5

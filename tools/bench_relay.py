@@ -1,0 +1,422 @@
+"""Benchmark the relay tier: chain broadcast time and publisher stall vs chain length.
+
+Publishes S bytes through chains of N relays (default N = 1, 2, 4), each relay
+a separate ``laminar-relay serve`` process on loopback with a real local etcd,
+and reports, per N, in one run:
+
+- broadcast: from the start of ``RelayClient.publish`` until the last relay
+  sealed the version (stored and verified; the time each relay reports in
+  ``Health.sealed_at``);
+- GB/s: S / broadcast;
+- x ideal: broadcast / one raw single-stream loopback socket copy of the same
+  S bytes between two processes (measured in the same run);
+- x N=1: broadcast / broadcast of the N=1 chain;
+- stall: how long ``publish`` blocked the publisher (the hand-off to the master).
+
+``--dataplanes`` also measures the two candidate bulk transports on their own
+(ZeroMQ multipart vs gRPC client streaming, plus the raw socket), which is
+how the relay's data plane was chosen.
+
+All processes share this machine's CPUs: on a small machine the relays compete
+with each other and with the publisher for cores (each relay copies and
+checksums every byte), so longer chains look worse than they would on one host
+per relay. The output says how many CPUs there were.
+
+Usage: python tools/bench_relay.py [--size-mb 256] [--relays 1,2,4] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MiB = 1024 * 1024
+
+
+# -- raw transports (used for the ideal and for --dataplanes) ---------------
+
+
+def _receiver_main(kind: str, port: int, size: int, chunk: int) -> None:
+    """Child process: receive ``size`` bytes of ``kind`` into one buffer, then ack."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    if kind == "raw":
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(1)
+        print("READY", flush=True)
+        conn, _ = listener.accept()
+        n = 0
+        while n < size:
+            n += conn.recv_into(view[n:], min(size - n, 4 * MiB))
+        conn.sendall(b"k")
+        conn.recv(1)
+        return
+    if kind == "zmq":
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.RCVHWM, 8)
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        print("READY", flush=True)
+        got = 0
+        ident = b""
+        while got < size:
+            ident, header, payload = sock.recv_multipart(copy=False)
+            offset = int.from_bytes(header.bytes, "big")
+            view[offset : offset + len(payload.buffer)] = payload.buffer
+            got += len(payload.buffer)
+        sock.send_multipart([ident.bytes if hasattr(ident, "bytes") else ident, b"k"])
+        sock.recv_multipart()
+        return
+    if kind == "grpc":
+        from concurrent import futures
+
+        import grpc
+
+        done = []
+
+        def push(requests, context):
+            got = 0
+            for msg in requests:
+                offset = int.from_bytes(msg[:8], "big")
+                view[offset : offset + len(msg) - 8] = memoryview(msg)[8:]
+                got += len(msg) - 8
+            done.append(got)
+            return b"k"
+
+        handler = grpc.method_handlers_generic_handler(
+            "bench.Bulk", {"Push": grpc.stream_unary_rpc_method_handler(push)}
+        )
+        server = grpc.server(
+            futures.ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", 256 * MiB)]
+        )
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        print("READY", flush=True)
+        server.wait_for_termination(600)
+        return
+    raise SystemExit(f"unknown receiver kind {kind!r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_transport(kind: str, data: bytes, chunk: int) -> float:
+    """Seconds to move ``data`` to a receiver process with transport ``kind``."""
+    port = _free_port()
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--_receiver", kind, str(port), str(len(data)), str(chunk)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != "READY":
+            raise RuntimeError(f"{kind} receiver did not start")
+        view = memoryview(data)
+        if kind == "raw":
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                t0 = time.perf_counter()
+                s.sendall(view)
+                s.recv(1)
+                dt = time.perf_counter() - t0
+                s.sendall(b"x")
+            return dt
+        if kind == "zmq":
+            import zmq
+
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 8)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            t0 = time.perf_counter()
+            for off in range(0, len(data), chunk):
+                sock.send_multipart([off.to_bytes(8, "big"), view[off : off + chunk]], copy=False)
+            sock.recv()
+            dt = time.perf_counter() - t0
+            sock.send(b"x")
+            sock.close()
+            return dt
+        if kind == "grpc":
+            import grpc
+
+            channel = grpc.insecure_channel(
+                f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 256 * MiB)]
+            )
+            push = channel.stream_unary("/bench.Bulk/Push")
+
+            def requests():
+                for off in range(0, len(data), chunk):
+                    yield off.to_bytes(8, "big") + view[off : off + chunk]
+
+            t0 = time.perf_counter()
+            push(requests(), timeout=600)
+            dt = time.perf_counter() - t0
+            channel.close()
+            return dt
+        raise ValueError(kind)
+    finally:
+        child.kill()
+        child.wait()
+
+
+# -- the relay chain ----------------------------------------------------------
+
+
+class Chain:
+    """N relay processes of one job."""
+
+    def __init__(
+        self,
+        etcd_endpoint: str,
+        job: str,
+        n: int,
+        size: int,
+        verify_forwarded: bool,
+        log_dir: str,
+        link_bytes_per_s: int = 0,
+    ) -> None:
+        self.job = job
+        self.procs: list[subprocess.Popen] = []
+        self.names = [f"{job}-r{i}" for i in range(n)]
+        for name in self.names:
+            args = [
+                "serve",
+                "--set",
+                f"job={job}",
+                "--set",
+                f"member_id={name}",
+                "--set",
+                "bind_host=127.0.0.1",
+                "--set",
+                "advertise_host=127.0.0.1",
+                "--set",
+                f"etcd.endpoints=[{etcd_endpoint}]",
+                "--set",
+                "etcd.ttl_s=5",
+                "--set",
+                f"store.max_bytes={3 * size + 64 * MiB}",
+                "--set",
+                f"store.max_version_bytes={size + 16 * MiB}",
+                "--set",
+                "store.keep_versions=1",
+                "--set",
+                "chain.control_interval_s=0.5",
+                "--set",
+                f"chain.verify_forwarded={'true' if verify_forwarded else 'false'}",
+                "--set",
+                f"chain.max_forward_bytes_per_s={link_bytes_per_s}",
+                "--set",
+                "logging.level=WARNING",
+            ]
+            log = open(os.path.join(log_dir, f"{name}.log"), "w")
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "laminar_relay.cli", *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+            log.close()
+
+    def wait_ready(self, client, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(p.poll() is None for p in self.procs):
+                try:
+                    chains = {tuple(client.health(n).chain) for n in client.relays()}
+                    if (
+                        len(client.relays()) == len(self.names)
+                        and len(chains) == 1
+                        and len(chains.pop()) == len(self.names)
+                    ):
+                        return
+                except Exception:  # noqa: BLE001 - a relay may not answer yet; retry until the deadline
+                    pass
+            else:
+                raise RuntimeError(f"a relay of {self.job} exited; see its log")
+            time.sleep(0.1)
+        raise RuntimeError(f"chain of {len(self.names)} relays not ready in {timeout_s}s")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def broadcast_once(client, names: list[str], version: int, tensors, poll_s: float = 0.05):
+    """Publish one version; return (stall_s, broadcast_s).
+
+    Broadcast ends at the latest time any relay sealed the version, as the
+    relays themselves recorded it (``Health.sealed_at``), so slow polling here
+    does not add to it or steal CPU from the relays.
+    """
+    start = time.time()
+    t0 = time.perf_counter()
+    result = client.publish(version, tensors)
+    stall = time.perf_counter() - t0
+    assert result.version == version
+    deadline = time.monotonic() + 300
+    sealed: dict[str, float] = {}
+    while len(sealed) < len(names):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"version {version} did not reach every relay")
+        for name in names:
+            if name not in sealed:
+                at = client.health(name).sealed_at.get(version)
+                if at is not None:
+                    sealed[name] = at
+        time.sleep(poll_s)
+    return stall, max(sealed.values()) - start
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--_receiver":
+        kind, port, size, chunk = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+        _receiver_main(kind, port, size, chunk)
+        return 0
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument("--size-mb", type=int, default=256, help="bytes per version, MiB (default 256)")
+    p.add_argument("--chunk-mb", type=int, default=4, help="chunk size, MiB (default 4)")
+    p.add_argument("--relays", default="1,2,4", help="chain lengths to measure (default 1,2,4)")
+    p.add_argument("--repeat", type=int, default=2, help="publishes per chain length (median)")
+    p.add_argument(
+        "--verify-forwarded",
+        choices=("on", "off", "both"),
+        default="on",
+        help="checksum chunks on every relay (on), only on the master (off), or both",
+    )
+    p.add_argument(
+        "--link-mb-s",
+        type=float,
+        default=0.0,
+        help="pace every relay-to-relay link to this many MB/s (simulates a network "
+        "slower than the CPUs, to show the pipelining; 0: no pacing)",
+    )
+    p.add_argument(
+        "--dataplanes",
+        action="store_true",
+        help="also measure ZeroMQ multipart vs gRPC streaming on their own",
+    )
+    args = p.parse_args()
+
+    from laminar_common.etcd import EtcdCoordinator
+    from laminar_common.launcher_etcd import LocalEtcd
+    from laminar_common.relay_client import RelayClient
+
+    size, chunk = args.size_mb * MiB, args.chunk_mb * MiB
+    link = int(args.link_mb_s * 1e6)
+    ns = [int(x) for x in args.relays.split(",")]
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.verify_forwarded]
+    print(
+        f"relay broadcast benchmark: {args.size_mb} MiB per version, {args.chunk_mb} MiB chunks, "
+        f"chains {ns}, {args.repeat} publish(es) each; loopback, real etcd, one process per relay"
+    )
+    print(f"machine: {os.cpu_count()} CPUs shared by the publisher and all relays")
+    data = os.urandom(size)
+    n_tensors = 8
+    per = size // n_tensors
+    tensors = [
+        (
+            f"layer{i}.weight",
+            "uint8",
+            (per if i < n_tensors - 1 else size - per * (n_tensors - 1),),
+            memoryview(data)[i * per : (i + 1) * per if i < n_tensors - 1 else size],
+        )
+        for i in range(n_tensors)
+    ]
+
+    ideal = min(measure_transport("raw", data, chunk) for _ in range(2))
+    print(
+        f"ideal (raw single-stream loopback socket copy, best of 2): {ideal:.3f} s "
+        f"= {size / ideal / 1e9:.2f} GB/s"
+    )
+    if args.dataplanes:
+        for kind in ("zmq", "grpc"):
+            times = [measure_transport(kind, data, chunk) for _ in range(3)]
+            best = min(times)
+            print(
+                f"data plane {kind:4s}: best {best:.3f} s = {size / best / 1e9:.2f} GB/s "
+                f"(x{best / ideal:.2f} ideal; runs: {', '.join(f'{t:.3f}' for t in times)})"
+            )
+
+    log_dir = tempfile.mkdtemp(prefix="bench-relay-")
+    failed = False
+    with LocalEtcd() as etcd:
+        for verify in modes:
+            if link:
+                print(
+                    f"\nsimulated links: every relay-to-relay link paced at {args.link_mb_s} MB/s; "
+                    "a pipelined chain needs about size/link + (N-2) x chunk/link for N >= 2 "
+                    "(model_s), an unpipelined one (N-1) x size/link"
+                )
+            print(
+                f"\nverify_forwarded={'on' if verify else 'off'} "
+                f"({'every relay' if verify else 'only the master'} checksums every chunk)"
+            )
+            print(
+                f"{'N':>3} {'broadcast_s':>12} {'GB/s':>6} {'x ideal':>8} {'x N=1':>6} "
+                f"{'stall_s':>8}" + (f" {'model_s':>8}" if link else "")
+            )
+            base = None
+            for n in ns:
+                job = f"bench-{n}-{'v' if verify else 'nv'}"
+                chain = Chain(etcd.endpoint, job, n, size, verify, log_dir, link)
+                coord = EtcdCoordinator([etcd.endpoint], job, ttl_s=5)
+                client = RelayClient(
+                    coord, chunk_bytes=chunk, publish_timeout_s=300, rpc_timeout_s=30
+                )
+                try:
+                    chain.wait_ready(client)
+                    results = [
+                        broadcast_once(client, chain.names, v, tensors)
+                        for v in range(1, args.repeat + 1)
+                    ]
+                except Exception as exc:  # noqa: BLE001 - report and go on with the next N
+                    print(f"{n:>3} FAILED: {exc} (logs in {log_dir})")
+                    failed = True
+                    continue
+                finally:
+                    client.close()
+                    coord.close()
+                    chain.stop()
+                stall = statistics.median(r[0] for r in results)
+                bcast = statistics.median(r[1] for r in results)
+                base = base or bcast
+                model = ""
+                if link and n >= 2:
+                    model = f" {(size + (n - 2) * chunk) / link:>8.3f}"
+                print(
+                    f"{n:>3} {bcast:>12.3f} {size / bcast / 1e9:>6.2f} {bcast / ideal:>8.2f} "
+                    f"{bcast / base:>6.2f} {stall:>8.3f}{model}"
+                )
+    if not failed:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
