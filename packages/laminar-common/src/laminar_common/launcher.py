@@ -33,7 +33,6 @@ import logging
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -100,6 +99,8 @@ class JobFile(LaminarModel):
     """The tier whose exit ends the run."""
     timeout_s: float = Field(default=3600, gt=0)
     """Stop everything after this long."""
+    report: str | None = None
+    """A trainer run_dir to summarize and plot when the run ends (laminar report)."""
 
 
 def _fill(value: Any, subs: dict[str, str]) -> Any:
@@ -152,13 +153,23 @@ class LocalLauncher:
             raise ConfigError("etcd: set embedded: true or give endpoints")
 
     def run_setup(self) -> None:
-        for cmd in self.job.setup:
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for i, cmd in enumerate(self.job.setup):
             argv = _fill(list(cmd), self.subs)
             self._say("setup: " + shlex.join(argv))
             t0 = time.monotonic()
-            res = subprocess.run(_resolve(argv), cwd=os.getcwd(), check=False)
-            if res.returncode != 0:
-                raise LaminarError(f"setup command failed ({res.returncode}): {shlex.join(argv)}")
+            child = ChildProcess(f"setup-{i}", _resolve(argv), str(logs / f"setup-{i}.log"))
+            self.children.append(child)
+            while child.alive():
+                if self._stop.wait(0.2):
+                    raise LaminarError("interrupted during set-up")
+            code = child.stop()
+            for line in child.lines[-3:]:
+                self._say(f"  {line[:200]}")
+            if code != 0:
+                raise LaminarError(f"setup command failed ({code}): {shlex.join(argv)}; "
+                                   f"see {child.log_path}")
             self._say(f"setup done in {time.monotonic() - t0:.1f}s")
 
     def replica_argv(self, tier: str, spec: TierSpec, index: int) -> tuple[str, list[str]]:
@@ -237,11 +248,28 @@ class LocalLauncher:
                     self._say(f"{target[0].name}: {line[:300]}")
             codes = [c.proc.wait() for c in target]
             self._say(f"{self.job.wait_for} exited with {codes}")
+            if self.job.report:
+                self._report(_fill(self.job.report, self.subs))
             return max(codes, key=abs)
         finally:
             self.stop_all()
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+    def _report(self, run_dir: str) -> None:
+        from .report import load_metrics, summarize, write_plots
+
+        try:
+            rows, summary = load_metrics(run_dir)
+        except LaminarError as exc:
+            self._say(f"no report: {exc}")
+            return
+        print(summarize(rows, summary), flush=True)
+        plots = write_plots(rows, summary, run_dir)
+        self._say(f"metrics: {run_dir}/metrics.jsonl; summary: {run_dir}/summary.json")
+        self._say("plot: " + (", ".join(map(str, plots)) if plots else
+                              "none (pip install matplotlib to plot)"))
 
 
 def _resolve(argv: list[str]) -> list[str]:

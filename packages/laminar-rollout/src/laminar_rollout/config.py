@@ -159,7 +159,12 @@ class ManagerConfig(LaminarModel):
     mode: Mode = "laminar"
     """sync | one-step | laminar (see DESIGN.md, Scheduling modes)."""
     batch_groups: int = Field(default=8, ge=1)
-    """Groups per global batch in sync and one-step modes."""
+    """Groups per trainer step: the global batch of sync and one-step modes, and
+    the unit of laminar mode's run-ahead bound (set it to the trainer's)."""
+    max_staleness: int = Field(default=2, ge=0)
+    """laminar mode: create new trajectories only while fewer than
+    (latest version + 1 + max_staleness) x batch_groups x group_size exist, so
+    generation runs at most this many versions ahead of the trainer."""
     max_prompts: int | None = Field(default=None, ge=1)
     """Stop dispatching after this many prompts (default: the whole file, once)."""
     epochs: int = Field(default=1, ge=1)

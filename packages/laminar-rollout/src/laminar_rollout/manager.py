@@ -275,9 +275,12 @@ class ManagerService(Service):
             self._place_resumables(views)
             views = self._views()
         if self.config.mode == "laminar":
+            cfg = self.config
             want = sum(v.capacity for v in views)
-            while self.ledger.pending_count() < want and not self.cursor.exhausted():
-                self.ledger.add_group(self.cursor.next(), self.config.group_size, self.sampling)
+            allowed = (self.latest + 1 + cfg.max_staleness) * cfg.batch_groups * cfg.group_size
+            while self.ledger.pending_count() < want and not self.cursor.exhausted() and \
+                    len(self.ledger.entries) + cfg.group_size <= allowed:
+                self.ledger.add_group(self.cursor.next(), cfg.group_size, self.sampling)
             plan = plan_laminar(views, self.latest)
         else:
             self._advance_batch()

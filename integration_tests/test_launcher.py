@@ -1,0 +1,38 @@
+"""`laminar up` (local backend): a whole stack from one job file, to a trained step and back down."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from laminar_common.processes import ChildProcess
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_laminar_up_local_reaches_trained_steps_and_shuts_down(tmp_path):
+    job = yaml.safe_load((REPO / "examples" / "simulated.yaml").read_text())
+    job["run_dir"] = str(tmp_path / "run")
+    job["tiers"]["trainer"]["config"]["total_steps"] = 3
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.cli", "up", str(path)],
+                      str(tmp_path / "up.log"), cwd=str(tmp_path))
+    up.wait_for_line(r"trainer: STEP 3 ", 180)
+    up.wait_for_line(r"trainer exited with \[0\]", 60)
+    assert up.proc.wait(60) == 0
+    summary = json.loads((tmp_path / "run" / "trainer" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["simulated_step"] is True
+    assert summary["tokens_consumed"] > 0
+    assert max(int(k) for k in summary["staleness_hist"]) <= 2 + 1
+    # Every tier process was stopped: none of the pids in the log is alive any more.
+    pids = [int(line.split("(pid ")[1].split(")")[0]) for line in up.lines if "(pid " in line]
+    assert len(pids) >= 5
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or \
+            "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    shutil.rmtree(tmp_path / "run" / "etcd", ignore_errors=True)
