@@ -8,8 +8,9 @@ the worker releases the relay's reader lease once the engine copied them.
 
 from __future__ import annotations
 
-from laminar_common.errors import ProtocolError
+from laminar_common.errors import ProtocolError, TransportError
 from laminar_common.relay_client import RelayClient
+from laminar_common.relay_wire import VersionNotFoundError
 
 from .worker import FetchedVersion, WeightFetcher
 
@@ -20,13 +21,25 @@ def make_relay_fetcher(client: RelayClient, *, with_tensors: bool = True,
                        wait_s: float = 60.0) -> WeightFetcher:
     """A :data:`WeightFetcher` reading from the relay tier.
 
+    A pull asks for "version ``v`` or newer": when ``v`` itself can no longer be
+    had, the latest version is taken if it is at least ``v``.
+
     Args:
         with_tensors: False for the simulated engine (bytes are fetched, so the
             weight-wait is real, but nothing is loaded).
     """
 
     def fetch(version: int) -> FetchedVersion:
-        fetched = client.fetch(version, wait_s=wait_s)
+        try:
+            fetched = client.fetch(version, wait_s=wait_s)
+        except (VersionNotFoundError, TransportError) as exc:
+            # The version may be gone (superseded, or its relay died): any newer one will do.
+            fetched = client.fetch(None, wait_s=wait_s)
+            if fetched.version < version:
+                fetched.release()
+                raise VersionNotFoundError(
+                    f"weight version {version} is unavailable and the latest is "
+                    f"{fetched.version}") from exc
         if not with_tensors:
             return FetchedVersion(fetched.version, None, fetched.release)
         import torch

@@ -94,6 +94,7 @@ class WorkerService(Service):
         self._tasks: dict[str, PromptTask] = {}
         self._fresh: collections.deque[PromptTask] = collections.deque()
         self._pull: int | None = None
+        self._pull_retry_at = 0.0
         self.outbox: dict[str, Trajectory] = {}
         self._done_since_report: list[str] = []
         self._last_report = 0.0
@@ -161,8 +162,15 @@ class WorkerService(Service):
             while msg is not None:
                 self._handle(msg)
                 msg = self.manager.recv(timeout_s=0)
-            if self._pull is not None and not self.engine.has_unfinished():
-                self._load_weights(self._pull)
+            if self._pull is not None and not self.engine.has_unfinished() and \
+                    time.monotonic() >= self._pull_retry_at:
+                try:
+                    self._load_weights(self._pull)
+                except LaminarError as exc:
+                    # A relay may have died with the version; a newer one will come.
+                    self.counters["pull_failed"] += 1
+                    self._pull_retry_at = time.monotonic() + 1.0
+                    log.warning("pull of weights v%d failed (retrying in 1s): %s", self._pull, exc)
             if self._pull is None:
                 self._start_fresh()
             if self.engine.has_unfinished():
