@@ -126,6 +126,8 @@ class WorkerConfig(LaminarModel):
     """A relay's gRPC host:port to fetch weights from (default: found through etcd)."""
     fetch_timeout_s: float = Field(default=120.0, gt=0)
     """How long one weight fetch may take."""
+    stats_path: str | None = None
+    """Write counters, busy/weight-wait time and a busy/idle/weights timeline here on exit."""
     etcd: EtcdConfig = EtcdConfig()
     """etcd connection and lease."""
     logging: LoggingConfig = LoggingConfig()

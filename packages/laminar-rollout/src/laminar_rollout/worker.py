@@ -101,6 +101,8 @@ class WorkerService(Service):
         self.counters: collections.Counter[str] = collections.Counter()
         self.weight_wait_s = 0.0
         self.busy_s = 0.0
+        self._t_start = time.time()
+        self.timeline: list[tuple[float, str]] = []
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -144,7 +146,20 @@ class WorkerService(Service):
     def _on_trainer(self, event: MembershipEvent) -> None:
         self._events.put(("trainer", event))
 
+    def stats(self) -> dict:
+        uptime = time.time() - self._t_start
+        return {"worker_id": self.worker_id, "uptime_s": uptime, "busy_s": self.busy_s,
+                "busy_fraction": self.busy_s / uptime if uptime else 0.0,
+                "weight_wait_s": self.weight_wait_s, "counters": dict(self.counters),
+                "weight_version": self.engine.weight_version, "outbox": len(self.outbox),
+                "started_at": self._t_start, "timeline": self.timeline}
+
     def _close(self) -> None:
+        if self.config.stats_path:
+            import json
+
+            with open(self.config.stats_path, "w") as fh:
+                json.dump(self.stats(), fh)
         if self.coordinator is not None:
             self.coordinator.close()
         for sock in (self.manager, self.trainer):
@@ -174,11 +189,19 @@ class WorkerService(Service):
             if self._pull is None:
                 self._start_fresh()
             if self.engine.has_unfinished():
+                self._mark("busy")
                 t0 = time.monotonic()
                 for out in self.engine.step():
                     self._finish(out)
                 self.busy_s += time.monotonic() - t0
+            else:
+                self._mark("idle")
             self._report()
+
+    def _mark(self, state: str) -> None:
+        """Record a busy/idle/weights transition (for timelines; transitions only)."""
+        if not self.timeline or self.timeline[-1][1] != state:
+            self.timeline.append((round(time.time() - self._t_start, 4), state))
 
     def _drain_events(self) -> None:
         while True:
@@ -304,6 +327,7 @@ class WorkerService(Service):
     def _load_weights(self, version: int) -> None:
         if self.fetch_weights is None:
             raise LaminarError("a pull was requested but this worker has no weight source")
+        self._mark("weights")
         t0 = time.monotonic()
         fetched = self.fetch_weights(version)
         try:
