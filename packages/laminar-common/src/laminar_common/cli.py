@@ -145,6 +145,8 @@ def _cmd_prompts(args) -> int:
 
 
 def _cmd_status(args) -> int:
+    import json
+
     from .etcd import EtcdCoordinator
 
     coord = EtcdCoordinator([args.etcd], args.job, connect_timeout_s=5)
@@ -152,9 +154,25 @@ def _cmd_status(args) -> int:
         latest = coord.latest_version()
         print(f"job {args.job}: latest weight version "
               f"{latest.version if latest else 'none'}")
-        for member_id, rec in sorted(coord.members().items()):
-            print(f"  {rec.role:<10} {member_id:<24} {rec.address:<28} host={rec.host} "
-                  f"v{rec.package_version} proto={rec.protocol_version}")
+        print("members:")
+        for member_id, rec in sorted(coord.members().items(), key=lambda x: (x[1].role, x[0])):
+            print(f"  {rec.role:<8} {member_id:<20} {rec.address:<28} host={rec.host} "
+                  f"pkg={rec.package_version} proto={rec.protocol_version}")
+        trainer = coord.get_state("trainer")
+        if trainer:
+            t = json.loads(trainer)
+            print(f"trainer: step {t['step']}/{t['total_steps']} v{t['version']} "
+                  f"reward {t['reward_mean']:.3f} tokens/s {t['tokens_per_s']:.1f} "
+                  f"staleness mean {t['staleness_mean']:.2f} max {t['staleness_max']} "
+                  f"buffer {t['buffer']}")
+        manager = coord.get_state("manager")
+        if manager:
+            m = json.loads(manager)
+            print(f"manager: ledger {m['ledger']}, repacks {m['repacks']}, "
+                  f"workers lost {m['workers_lost']}")
+            for wid, w in sorted(m["workers"].items()):
+                print(f"  {wid:<20} v{w['version']:<4} active {w['active']}/{w['capacity']} "
+                      f"assigned {w['assigned']} kv {w['kv_used']}")
     finally:
         coord.close()
     return 0

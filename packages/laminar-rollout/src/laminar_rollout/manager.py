@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from laminar_common import codec
 from laminar_common.codec import Command, PartialProgress, PromptTask, SamplingSpec, WorkerReport
+from laminar_common.errors import LaminarError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent, VersionRecord
 from laminar_common.service import Service
@@ -89,6 +90,7 @@ class ManagerService(Service):
         self._last_repack = time.monotonic()
         self._last_state_write = 0.0
         self._last_log = 0.0
+        self._last_ledger_log = 0.0
         self._drained_announced = False
         self.server: ZmqServer | None = None
         self.acks: ZmqPullReceiver | None = None
@@ -371,11 +373,22 @@ class ManagerService(Service):
 
     def _log_progress(self) -> None:
         now = time.monotonic()
-        if now - self._last_log < 5:
+        if now - self._last_log < 1:
             return
         self._last_log = now
         s = self.summary()
-        log.info("ledger %s, %d workers, latest v%d", s["ledger"], s["workers"], self.latest)
+        # A status snapshot for `laminar status` (every few seconds, not per trajectory).
+        status = dict(s, workers={w.worker_id: {"version": w.version, "active": w.active,
+                                                 "capacity": w.capacity, "kv_used": w.kv_used,
+                                                 "assigned": self.ledger.assigned(w.worker_id)}
+                                  for w in self.workers.values()})
+        try:
+            self.coordinator.put_state("manager", json.dumps(status).encode())
+        except LaminarError as exc:
+            log.warning("could not write the status snapshot to etcd: %s", exc)
+        if now - self._last_ledger_log >= 10:
+            self._last_ledger_log = now
+            log.info("ledger %s, %d workers, latest v%d", s["ledger"], s["workers"], self.latest)
         if self.cursor.exhausted() and self.ledger.settled() and not self._drained_announced:
             self._drained_announced = True
             print("MANAGER DRAINED " + json.dumps(s, sort_keys=True), flush=True)
