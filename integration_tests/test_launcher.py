@@ -36,3 +36,46 @@ def test_laminar_up_local_reaches_trained_steps_and_shuts_down(tmp_path):
         assert not Path(f"/proc/{pid}").exists() or \
             "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     shutil.rmtree(tmp_path / "run" / "etcd", ignore_errors=True)
+
+
+def _pids_with(fragment: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if fragment in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_laminar_up_ray_backend_restarts_a_killed_replica(tmp_path):
+    import os
+    import signal
+
+    import pytest
+
+    pytest.importorskip("ray")
+    job = yaml.safe_load((REPO / "examples" / "simulated.yaml").read_text())
+    job["job"] = "simray"
+    job["run_dir"] = str(tmp_path / "run")
+    job["tiers"]["trainer"]["config"]["total_steps"] = 40
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.cli", "up", str(path),
+                             "--backend", "ray", "--num-cpus", "2"],
+                      str(tmp_path / "up.log"), cwd=str(tmp_path))
+    try:
+        up.wait_for_line(r"trainer: STEP 3 ", 240)
+        victims = _pids_with("laminar-worker-0-")
+        assert victims, "no worker-0 process found"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        up.wait_for_line(r"trainer: STEP 20 ", 240)
+        restarted = [p for p in _pids_with("laminar-worker-0-") if p not in victims]
+        assert restarted, "Ray did not start worker-0 again"
+        up.wait_for_line(r"trainer exited with 0", 240)
+        assert up.proc.wait(120) == 0
+    finally:
+        up.stop(grace_s=60)

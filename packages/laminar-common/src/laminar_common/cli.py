@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="override a job-file field (repeatable)")
     u.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="local subprocesses or Ray actors")
+    u.add_argument("--ray-address", default=None,
+                   help="Ray cluster address (default: start a local Ray)")
+    u.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray")
 
     r = sub.add_parser("report", help="summarize a trainer run dir and plot its metrics")
     r.add_argument("run_dir", help="the trainer's run_dir")
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             setup_logging("WARNING")
             from .launcher import run_job
 
-            return run_job(args.job, args.set, args.backend)
+            return run_job(args.job, args.set, args.backend, args.ray_address, args.num_cpus)
         if args.cmd == "report":
             return _cmd_report(args)
         if args.cmd == "prompts":

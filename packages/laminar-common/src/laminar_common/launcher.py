@@ -281,8 +281,13 @@ def _resolve(argv: list[str]) -> list[str]:
     return argv
 
 
-def run_job(path: str, overrides: list[str] = (), backend: str = "local") -> int:
+def run_job(path: str, overrides: list[str] = (), backend: str = "local",
+            ray_address: str | None = None, num_cpus: int | None = None) -> int:
     job = load_job(path, list(overrides))
+    if backend == "ray":
+        from .launcher_ray import run_on_ray
+
+        return run_on_ray(job, ray_address, num_cpus)
     if backend != "local":
-        raise ConfigError(f"backend {backend!r} is not available; use --backend local")
+        raise ConfigError(f"backend {backend!r}: use local or ray")
     return LocalLauncher(job).run()

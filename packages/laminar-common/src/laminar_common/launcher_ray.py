@@ -1,0 +1,186 @@
+"""``laminar up --backend ray``: each tier replica as a Ray actor.
+
+Owns placing replicas on a Ray cluster by resources and restarting failed
+ones. Each actor supervises one child process — the tier's own CLI, exactly
+as the local backend starts it — so the tiers stay Ray-agnostic and this
+module imports none of them. Ray is imported only here (optional extra
+``laminar-common[ray]``).
+
+Placement: a tier's ``resources`` map (``{GPU: 1}``, ``{CPU: 2}``, custom
+resources) becomes the actor's Ray resource request, so rollouts and the
+trainer land on GPU nodes; relays are spread one per node (``SPREAD``
+scheduling) when ``replicas`` is ``per-node`` (-1). A replica whose process
+exits with a non-zero code (or whose actor dies) is restarted by Ray, up to
+``max_restarts``; the ``wait_for`` tier ending with 0 ends the run.
+
+etcd: the embedded etcd listens on this machine's loopback, which is right
+for a single-node Ray; a multi-node cluster needs ``etcd.endpoints`` that
+every node can reach.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import LaminarError
+from .launcher import JobFile, LocalLauncher, _fill
+
+__all__ = ["RayLauncher"]
+
+
+def _actor_class(ray):
+    @ray.remote(max_restarts=-1, max_task_retries=0)
+    class TierReplica:
+        """Runs one tier replica's CLI as a child process and reports on it."""
+
+        def __init__(self, name: str, argv: list[str], config_text: str, log_dir: str) -> None:
+            import sys
+
+            from laminar_common.processes import ChildProcess
+
+            self.name = name
+            work = Path(tempfile.mkdtemp(prefix=f"laminar-{name}-"))
+            cfg = work / f"{name}.yaml"
+            cfg.write_text(config_text)
+            argv = [sys.executable if a == "{python}" else a for a in argv]
+            argv = [str(cfg) if a == "{config}" else a for a in argv]
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            self.child = ChildProcess(name, argv, str(Path(log_dir) / f"{name}.log"))
+            self.seen = 0
+
+        def poll(self) -> tuple[bool, int | None, list[str], int]:
+            lines = self.child.lines[self.seen:]
+            self.seen += len(lines)
+            code = self.child.proc.poll()
+            return code is None, code, lines, os.getpid()
+
+        def fail_if_crashed(self) -> bool:
+            """Exit the actor (so Ray restarts it) if the child crashed."""
+            code = self.child.proc.poll()
+            if code not in (None, 0):
+                os._exit(1)
+            return code is None
+
+        def stop(self) -> int:
+            return self.child.stop(grace_s=15)
+
+    return TierReplica
+
+
+class RayLauncher(LocalLauncher):
+    """Runs a :class:`JobFile` on a Ray cluster (``address``) or a local Ray."""
+
+    def __init__(self, job: JobFile, address: str | None = None, num_cpus: int | None = None,
+                 echo: bool = True) -> None:
+        super().__init__(job, echo)
+        try:
+            import ray
+        except ImportError as exc:
+            raise LaminarError("--backend ray needs Ray: pip install 'laminar-common[ray]'") from exc
+        self.ray = ray
+        self.address = address
+        self.num_cpus = num_cpus
+        self.actors: list[tuple[str, object]] = []
+
+    def start_tiers(self):  # type: ignore[override]
+        ray = self.ray
+        if not ray.is_initialized():
+            kwargs = {"address": self.address} if self.address else {"num_cpus": self.num_cpus}
+            ray.init(include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}}, **kwargs)
+        replica_cls = _actor_class(ray)
+        started: dict[str, list[object]] = {}
+        for tier, spec in self.job.tiers.items():
+            started[tier] = []
+            for i in range(spec.replicas):
+                name, argv = self.replica_argv(tier, spec, i)
+                config_text = Path(argv[argv.index("--config") + 1]).read_text()
+                if argv[0] == sys.executable:
+                    argv[0] = "{python}"  # the actor's own interpreter
+                argv[argv.index("--config") + 1] = "{config}"
+                res = dict(spec.resources)
+                options = {"num_cpus": res.pop("CPU", 0.1), "num_gpus": res.pop("GPU", 0),
+                           "resources": res or None, "name": f"{self.job.job}-{name}"}
+                if tier == "relay":
+                    options["scheduling_strategy"] = "SPREAD"
+                actor = replica_cls.options(**options).remote(
+                    name, argv, config_text, str(self.run_dir / "logs"))
+                self.actors.append((name, actor))
+                started[tier].append(actor)
+                self._say(f"started {name} as a Ray actor ({options['num_cpus']} CPU, "
+                          f"{options['num_gpus']} GPU)")
+            if spec.ready:
+                for (name, actor) in [a for a in self.actors if a[1] in started[tier]]:
+                    self._wait_line(actor, spec.ready, 300, name)
+        return started
+
+    def _wait_line(self, actor, pattern: str, timeout_s: float, name: str) -> None:
+        import re
+
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive, code, lines, _ = self.ray.get(actor.poll.remote())
+            if any(rx.search(line) for line in lines):
+                return
+            if not alive and code not in (None, 0):
+                raise LaminarError(f"{name} exited with {code} before printing /{pattern}/")
+            time.sleep(0.2)
+        raise LaminarError(f"{name} did not print /{pattern}/ within {timeout_s}s")
+
+    def run(self) -> int:
+        import signal
+
+        previous = {s: signal.signal(s, lambda *_: self._stop.set())
+                    for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.start_etcd()
+            self.run_setup()
+            started = self.start_tiers()
+            target = started[self.job.wait_for][0]
+            others = [a for _, a in self.actors if a is not target]
+            deadline = time.monotonic() + self.job.timeout_s
+            while True:
+                if self._stop.wait(0.5):
+                    self._say("interrupted: shutting down")
+                    return 130
+                if time.monotonic() > deadline:
+                    self._say(f"timeout after {self.job.timeout_s:.0f}s")
+                    return 124
+                alive, code, lines, _ = self.ray.get(target.poll.remote())
+                for line in lines:
+                    if line.startswith(("STEP", "EVAL", "TRAINER DONE")):
+                        self._say(f"{self.job.wait_for}: {line[:300]}")
+                if not alive:
+                    self._say(f"{self.job.wait_for} exited with {code}")
+                    if self.job.report:
+                        self._report(_fill(self.job.report, self.subs))
+                    return code or 0
+                for actor in others:
+                    # A crashed replica takes its actor down; Ray starts a new one.
+                    actor.fail_if_crashed.remote()
+        finally:
+            self.stop_all()
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def stop_all(self) -> None:
+        for name, actor in reversed(self.actors):
+            try:
+                self.ray.get(actor.stop.remote(), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - best effort on shutdown; the actor is killed next
+                self._say(f"{name}: stop failed ({type(exc).__name__}); killing the actor")
+            self.ray.kill(actor, no_restart=True)
+        if self.ray.is_initialized():
+            self.ray.shutdown()
+        super().stop_all()
+
+
+def run_on_ray(job: JobFile, address: str | None, num_cpus: int | None) -> int:
+    return RayLauncher(job, address, num_cpus).run()
+
