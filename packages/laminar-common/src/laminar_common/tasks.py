@@ -1,0 +1,350 @@
+"""Synthetic tasks with verifiable rewards, and exact-answer scoring.
+
+This module owns the project's built-in tasks (used by the demo RL run, the
+tests and the feasibility tool), the prompt-record format they produce, the
+train/eval split rule, and the reward functions that score a completion.
+
+Record format (one JSON object per line in a prompt file)::
+
+    {"id": "sort-train-0-000007", "task": "sort", "prompt": "sort 3142=", "answer": "1234"}
+
+Tasks (``TASKS``):
+
+- ``sort``: sort a list of digits, ``"sort 3142="`` -> ``"1234"``. The list
+  length is drawn uniformly from ``min_len..max_len``, so responses vary in
+  length.
+- ``reverse``: reverse a list of digits, ``"reverse 3142="`` -> ``"2413"``.
+- ``add``: add two non-negative integers, ``"add 57+8="`` -> ``"65"``. Each
+  operand has a digit count drawn uniformly from ``min_digits..max_digits``.
+
+Answer extraction (``extract_answer``): the completion is read up to the first
+``ANSWER_END`` character (if any) and stripped of surrounding whitespace. A
+model is expected to emit the answer and then its end-of-sequence token, which
+the caller removes when decoding; ``ANSWER_END`` lets a text-only generator end
+an answer too. ``score_completion`` is 1.0 when the extracted text equals the
+record's answer string exactly (so ``"0123"`` and ``"123"`` differ), else 0.0.
+``score_exact_answer`` is the looser scorer for exact-answer math (``\\boxed``,
+``####``, numeric equality).
+
+Held-out split: every problem belongs to exactly one split, decided by a hash
+of its prompt text (``split_of``), so train and eval records are disjoint
+whatever seeds and sizes are used to draw them; ``find_overlap`` checks it.
+
+Invariants:
+- Stdlib only: this module never imports torch, transformers, tokenizers or
+  numpy (the relay and common tiers run without them).
+- Every character of every prompt and answer is in ``TASK_ALPHABET``.
+- Generation is deterministic in ``(task, n, seed, split, difficulty)`` and
+  independent of Python's hash randomisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ANSWER_END",
+    "EVAL_BUCKETS",
+    "SPLITS",
+    "TASKS",
+    "TASK_ALPHABET",
+    "Task",
+    "extract_answer",
+    "find_overlap",
+    "make_task_records",
+    "read_jsonl",
+    "score_completion",
+    "score_exact_answer",
+    "split_of",
+    "write_jsonl",
+]
+
+TASK_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:,.\n"
+"""Every character any task can put in a prompt or answer, in a fixed order
+(a character-level tokenizer built from it has stable ids)."""
+
+ANSWER_END = "\n"
+"""Marks the end of an answer in completion text; anything after it is ignored."""
+
+SPLITS = ("train", "eval")
+
+EVAL_BUCKETS = 10
+"""One prompt in ``EVAL_BUCKETS`` (by hash) belongs to the eval split."""
+
+_MAX_DRAWS_PER_RECORD = 1000
+
+
+@dataclass(frozen=True)
+class Task:
+    """A synthetic task: draws one ``(prompt, answer)`` pair from an RNG.
+
+    ``draw`` takes the RNG plus the difficulty keywords; ``defaults`` holds the
+    default difficulty (the demo's settings) and names the accepted keywords.
+    """
+
+    name: str
+    draw: Callable[..., tuple[str, str]]
+    defaults: Mapping[str, int] = field(default_factory=dict)
+    description: str = ""
+
+
+def _check_range(name_lo: str, lo: int, name_hi: str, hi: int, floor: int) -> None:
+    if lo < floor or hi < lo:
+        raise ValueError(
+            f"need {floor} <= {name_lo} <= {name_hi}, got {name_lo}={lo}, {name_hi}={hi}"
+        )
+
+
+def _draw_digits(rng: random.Random, min_len: int, max_len: int) -> str:
+    _check_range("min_len", min_len, "max_len", max_len, floor=1)
+    length = rng.randint(min_len, max_len)
+    return "".join(rng.choice("0123456789") for _ in range(length))
+
+
+def _draw_sort(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str]:
+    digits = _draw_digits(rng, min_len, max_len)
+    return f"sort {digits}=", "".join(sorted(digits))
+
+
+def _draw_reverse(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str]:
+    digits = _draw_digits(rng, min_len, max_len)
+    return f"reverse {digits}=", digits[::-1]
+
+
+def _draw_operand(rng: random.Random, n_digits: int) -> int:
+    if n_digits == 1:
+        return rng.randint(0, 9)
+    return rng.randint(10 ** (n_digits - 1), 10**n_digits - 1)
+
+
+def _draw_add(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str, str]:
+    _check_range("min_digits", min_digits, "max_digits", max_digits, floor=1)
+    a = _draw_operand(rng, rng.randint(min_digits, max_digits))
+    b = _draw_operand(rng, rng.randint(min_digits, max_digits))
+    return f"add {a}+{b}=", str(a + b)
+
+
+TASKS: dict[str, Task] = {
+    "sort": Task(
+        name="sort",
+        draw=_draw_sort,
+        defaults={"min_len": 2, "max_len": 8},
+        description="sort a list of digits ascending",
+    ),
+    "reverse": Task(
+        name="reverse",
+        draw=_draw_reverse,
+        defaults={"min_len": 2, "max_len": 8},
+        description="reverse a list of digits",
+    ),
+    "add": Task(
+        name="add",
+        draw=_draw_add,
+        defaults={"min_digits": 1, "max_digits": 3},
+        description="add two non-negative integers",
+    ),
+}
+
+
+def _get_task(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}") from None
+
+
+def split_of(prompt: str) -> str:
+    """Return the split (``"train"`` or ``"eval"``) a prompt belongs to.
+
+    Decided by a SHA-256 of the prompt text, so it is stable across processes,
+    Python versions and seeds.
+    """
+    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    return "eval" if int.from_bytes(digest[:8], "big") % EVAL_BUCKETS == 0 else "train"
+
+
+def make_task_records(
+    task: str, n: int, seed: int, split: str = "train", **difficulty: int
+) -> list[dict[str, str]]:
+    """Draw ``n`` prompt records of one task from one split.
+
+    Problems are drawn i.i.d. from the task's distribution restricted to the
+    split (rejection on ``split_of``), so a split may repeat a problem but the
+    two splits never share one.
+
+    Args:
+        task: a key of ``TASKS``.
+        n: number of records (>= 0).
+        seed: RNG seed; the same arguments always give the same records.
+        split: ``"train"`` or ``"eval"``.
+        **difficulty: overrides of the task's ``defaults`` (e.g. ``max_len=6``).
+
+    Returns:
+        JSON-serialisable dicts ``{"id", "task", "prompt", "answer"}`` with ids
+        unique across tasks, splits and seeds.
+
+    Raises:
+        ValueError: unknown task, split or difficulty keyword, a bad range, or
+            a problem space with (almost) no problems in the requested split.
+    """
+    spec = _get_task(task)
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    unknown = sorted(set(difficulty) - set(spec.defaults))
+    if unknown:
+        raise ValueError(
+            f"task {task!r} has no difficulty setting(s) {unknown}; "
+            f"it accepts {sorted(spec.defaults)}"
+        )
+    settings = {**spec.defaults, **difficulty}
+    # A string seed keeps the stream independent of the split and task while
+    # staying deterministic (random.Random hashes str seeds with SHA-512).
+    rng = random.Random(f"{task}/{split}/{seed}")
+    records: list[dict[str, str]] = []
+    draws = 0
+    while len(records) < n:
+        if draws >= _MAX_DRAWS_PER_RECORD * (len(records) + 1):
+            raise ValueError(
+                f"drew {draws} {task!r} problems with {settings} and found only "
+                f"{len(records)} in split {split!r}; the problem space is too small"
+            )
+        draws += 1
+        prompt, answer = spec.draw(rng, **settings)
+        if split_of(prompt) != split:
+            continue
+        records.append(
+            {
+                "id": f"{task}-{split}-{seed}-{len(records):06d}",
+                "task": task,
+                "prompt": prompt,
+                "answer": answer,
+            }
+        )
+    return records
+
+
+def find_overlap(
+    records_a: Iterable[Mapping[str, Any]], records_b: Iterable[Mapping[str, Any]]
+) -> set[str]:
+    """Return the prompts that occur in both record collections (empty if disjoint)."""
+    return {r["prompt"] for r in records_a} & {r["prompt"] for r in records_b}
+
+
+def extract_answer(completion: str) -> str:
+    """Return the answer part of a completion: text before ``ANSWER_END``, stripped."""
+    return completion.split(ANSWER_END, 1)[0].strip()
+
+
+def score_completion(record: Mapping[str, Any], completion: str) -> float:
+    """Score a completion of a task record: 1.0 if its answer is exactly right, else 0.0.
+
+    Raises:
+        ValueError: the record names an unknown task or lacks an ``answer``.
+    """
+    _get_task(str(record.get("task")))
+    if "answer" not in record:
+        raise ValueError(f"record {record.get('id')!r} has no 'answer' field")
+    return 1.0 if extract_answer(completion) == record["answer"] else 0.0
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    begin = start + len("\\boxed{")
+    for i in range(begin - 1, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:i]
+    return None
+
+
+_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
+
+
+def _normalise_math(text: str) -> str:
+    text = text.strip().strip("$").strip()
+    text = text.rstrip(".").strip()
+    if _THOUSANDS.match(text):
+        text = text.replace(",", "")
+    return " ".join(text.split())
+
+
+def _as_number(text: str) -> Fraction | None:
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def score_exact_answer(answer: str, completion: str) -> float:
+    """Score a free-form completion against an exact (math) answer: 1.0 or 0.0.
+
+    The completion's final answer is the content of its last ``\\boxed{...}``;
+    failing that, the text after its last ``####`` (up to ``ANSWER_END``);
+    failing that, the text up to ``ANSWER_END``. Both sides are normalised (surrounding whitespace and
+    ``$`` removed, a trailing period dropped, thousands separators removed from
+    numbers, inner whitespace collapsed). They match if the strings are equal
+    or both parse as the same rational number (``"0.50"`` == ``"1/2"``).
+    """
+    boxed = _last_boxed(completion)
+    if boxed is not None:
+        candidate = boxed
+    elif "####" in completion:
+        candidate = extract_answer(completion.rsplit("####", 1)[1].lstrip())
+    else:
+        candidate = extract_answer(completion)
+    got, want = _normalise_math(candidate), _normalise_math(answer)
+    if not got:
+        return 0.0
+    if got == want:
+        return 1.0
+    got_num, want_num = _as_number(got), _as_number(want)
+    return 1.0 if got_num is not None and got_num == want_num else 0.0
+
+
+def write_jsonl(path: str | Path, records: Iterable[Mapping[str, Any]]) -> int:
+    """Write records as JSON lines (creating parent directories); return the count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
+            count += 1
+    return count
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Read a JSON-lines file (blank lines skipped).
+
+    Raises:
+        ValueError: a line is not a JSON object; the message names file and line.
+    """
+    records = []
+    with Path(path).open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON: {exc}") from exc
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object")
+            records.append(record)
+    return records

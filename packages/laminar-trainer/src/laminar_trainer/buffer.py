@@ -1,0 +1,148 @@
+"""The experience buffer: finished trajectories in, complete GRPO groups out.
+
+Owns deduplication (by trajectory id, against both what is buffered and what
+was already consumed), group completion (a group is ready when all
+``group_size`` samples of a prompt arrived), the bound on what it holds, the
+sampling policy, and the staleness record of every consumed trajectory.
+
+Sampling policies (``policy``):
+
+- ``fifo``: oldest complete groups first, whatever their staleness.
+- ``staleness``: oldest complete groups first, but a group whose stalest
+  member exceeds ``max_staleness`` (trainer version at consume minus the
+  generating version) is dropped (``stale_action="drop"``) or kept with its
+  advantages scaled by ``downweight`` (``stale_action="downweight"``).
+
+Invariants: a trajectory id is handed out at most once over the buffer's
+life (``consumed`` persists through checkpoints); a group is handed out whole
+or not at all; nothing here blocks — the caller waits on :meth:`wait_ready`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+from laminar_common.codec import Trajectory
+
+__all__ = ["ExperienceBuffer", "Group", "BufferStats"]
+
+
+@dataclass
+class Group:
+    prompt_id: str
+    group_size: int
+    members: dict[int, Trajectory] = field(default_factory=dict)
+    weight: float = 1.0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.group_size
+
+    def trajectories(self) -> list[Trajectory]:
+        return [self.members[i] for i in sorted(self.members)]
+
+    def min_version(self) -> int:
+        return min(t.policy_version for t in self.members.values())
+
+
+@dataclass
+class BufferStats:
+    received: int = 0
+    duplicates: int = 0
+    already_consumed: int = 0
+    dropped_full: int = 0
+    dropped_stale: int = 0
+    downweighted: int = 0
+    reward_errors: int = 0
+    staleness: collections.Counter[int] = field(default_factory=collections.Counter)
+
+
+class ExperienceBuffer:
+    """Thread-safe: a receiver thread adds, the training loop samples."""
+
+    def __init__(self, capacity: int = 4096, policy: str = "fifo", max_staleness: int = 4,
+                 stale_action: str = "drop", downweight: float = 0.5,
+                 consumed: set[str] | None = None) -> None:
+        if policy not in ("fifo", "staleness"):
+            raise ValueError(f"buffer policy {policy!r}: expected 'fifo' or 'staleness'")
+        if stale_action not in ("drop", "downweight"):
+            raise ValueError(f"stale_action {stale_action!r}: expected 'drop' or 'downweight'")
+        self.capacity = capacity
+        self.policy = policy
+        self.max_staleness = max_staleness
+        self.stale_action = stale_action
+        self.downweight = downweight
+        self.consumed: set[str] = set(consumed or ())
+        self.stats = BufferStats()
+        self._groups: collections.OrderedDict[str, Group] = collections.OrderedDict()
+        self._size = 0
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def add(self, traj: Trajectory) -> bool:
+        """Buffer one trajectory; False if it was a duplicate, consumed, or no room."""
+        with self._cond:
+            self.stats.received += 1
+            if traj.trajectory_id in self.consumed:
+                self.stats.already_consumed += 1
+                return False
+            group = self._groups.get(traj.prompt_id)
+            if group is not None and traj.sample_index in group.members:
+                self.stats.duplicates += 1
+                return False
+            if self._size >= self.capacity:
+                self.stats.dropped_full += 1
+                return False
+            if group is None:
+                group = self._groups[traj.prompt_id] = Group(traj.prompt_id, traj.group_size)
+            group.members[traj.sample_index] = traj
+            self._size += 1
+            if traj.reward_error is not None:
+                self.stats.reward_errors += 1
+            if group.complete:
+                self._cond.notify_all()
+            return True
+
+    def ready_groups(self) -> int:
+        with self._cond:
+            return sum(1 for g in self._groups.values() if g.complete)
+
+    def wait_ready(self, n_groups: int, timeout_s: float) -> bool:
+        """Block until ``n_groups`` complete groups are buffered, or the timeout."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: sum(1 for g in self._groups.values() if g.complete) >= n_groups,
+                timeout=timeout_s)
+
+    def take(self, n_groups: int, trainer_version: int) -> list[Group]:
+        """Hand out up to ``n_groups`` complete groups (oldest first) per the policy."""
+        out: list[Group] = []
+        with self._cond:
+            for prompt_id in list(self._groups):
+                if len(out) >= n_groups:
+                    break
+                group = self._groups[prompt_id]
+                if not group.complete:
+                    continue
+                del self._groups[prompt_id]
+                self._size -= len(group.members)
+                staleness = trainer_version - group.min_version()
+                if self.policy == "staleness" and staleness > self.max_staleness:
+                    if self.stale_action == "drop":
+                        self.stats.dropped_stale += 1
+                        self._mark_consumed(group, trainer_version)
+                        continue
+                    group.weight = self.downweight
+                    self.stats.downweighted += 1
+                out.append(group)
+                self._mark_consumed(group, trainer_version)
+        return out
+
+    def _mark_consumed(self, group: Group, trainer_version: int) -> None:
+        for traj in group.members.values():
+            self.consumed.add(traj.trajectory_id)
+            self.stats.staleness[trainer_version - traj.policy_version] += 1

@@ -1,0 +1,90 @@
+"""``laminar-trainer``: ``run`` (the trainer) and ``warmstart`` (build the demo's tiny model).
+
+Arguments are parsed and the config validated completely before torch or
+transformers are imported, so ``--help`` and config errors are instant.
+Logging is configured here, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="laminar-trainer",
+                                description="Laminar trainer tier: streaming GRPO.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the trainer")
+    r.add_argument("--config", help="YAML or TOML config file")
+    r.add_argument("--set", action="append", default=[], metavar="A.B=C",
+                   help="override a config field (repeatable)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in checkpoint.dir")
+    r.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    w = sub.add_parser("warmstart", help="build, briefly supervise and save the demo's tiny model")
+    w.add_argument("--out", required=True, help="output directory (save_pretrained)")
+    w.add_argument("--task", default="sort", help="synthetic task (sort, reverse, add)")
+    w.add_argument("--steps", type=int, default=None, help="supervised steps")
+    w.add_argument("--seed", type=int, default=0, help="seed")
+    w.add_argument("--force", action="store_true", help="rebuild even if --out holds a model")
+    return p
+
+
+def _warmstart(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .model import DEFAULT_WARM_START_STEPS, warm_start
+
+    out = Path(args.out)
+    if (out / "warm_start.json").is_file() and not args.force:
+        print(f"warm start: {out} already holds a model "
+              f"({(out / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
+        return 0
+    torch.set_num_threads(2)
+    result = warm_start(out, task=args.task, seed=args.seed,
+                        steps=args.steps if args.steps is not None else DEFAULT_WARM_START_STEPS)
+    print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
+                                       if isinstance(v, (int, float, str))}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "warmstart":
+        return _warmstart(args)
+    from laminar_common.config import dump_config, load_config
+    from laminar_common.errors import LaminarError
+    from laminar_common.logs import setup_logging
+
+    from .config import TrainerConfig
+
+    try:
+        config = load_config(TrainerConfig, args.config, args.set)
+        if config.model_dir is None and config.simulate is None:
+            raise LaminarError("trainer config: set model_dir (or simulate, for benchmarks)")
+    except LaminarError as exc:
+        print(f"laminar-trainer run: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(dump_config(config))
+        return 0
+    setup_logging(config.logging.level, config.job, config.trainer_id, config.logging.json_format)
+    logging.getLogger(__name__).info("resolved config:\n%s", dump_config(config))
+    from .service import TrainerService
+
+    try:
+        return TrainerService(config, resume=args.resume).run_forever()
+    except LaminarError as exc:
+        print(f"laminar-trainer run: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Config of the trainer tier (``laminar-trainer run``): one frozen pydantic model."""
+
+from __future__ import annotations
+
+import socket
+from typing import Literal
+
+from pydantic import Field
+
+from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig
+
+__all__ = ["TrainerConfig", "BufferConfig", "LossConfig", "OptimConfig", "CheckpointConfig",
+           "EvalConfig", "SimulateConfig"]
+
+
+class BufferConfig(LaminarModel):
+    """The experience buffer."""
+
+    capacity: int = Field(default=8192, ge=1)
+    """Most trajectories held; beyond it new ones are refused (workers re-send later)."""
+    policy: Literal["fifo", "staleness"] = "fifo"
+    """fifo: oldest complete groups first; staleness: also bound staleness."""
+    max_staleness: int = Field(default=4, ge=0)
+    """With policy=staleness: groups staler than this are dropped or down-weighted."""
+    stale_action: Literal["drop", "downweight"] = "drop"
+    """What happens to a group beyond max_staleness."""
+    downweight: float = Field(default=0.5, ge=0, le=1)
+    """Advantage scale of a down-weighted group."""
+
+
+class LossConfig(LaminarModel):
+    """The GRPO/PPO objective (see laminar_trainer.loss)."""
+
+    clip_low: float = Field(default=0.2, ge=0)
+    """Lower clip of the ratio (1 - clip_low)."""
+    clip_high: float = Field(default=0.28, ge=0)
+    """Upper clip of the ratio (1 + clip_high), DAPO clip-higher."""
+    correction: Literal["decoupled", "tis", "none"] = "decoupled"
+    """Off-policy correction against the behaviour log-probs."""
+    tis_cap: float = Field(default=2.0, gt=0)
+    """Truncation of the importance weight."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How token losses are reduced."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL to the initial (reference) policy; 0 turns it off."""
+
+
+class OptimConfig(LaminarModel):
+    """Optimizer and schedule."""
+
+    lr: float = Field(default=1e-4, gt=0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Global gradient-norm clip."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warm-up steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """LR after warm-up."""
+    micro_batch_groups: int = Field(default=0, ge=0)
+    """Groups per forward/backward (gradient accumulation); 0 = the whole step at once."""
+
+
+class CheckpointConfig(LaminarModel):
+    """Checkpoints (atomic; resume with --resume)."""
+
+    dir: str | None = None
+    """Checkpoint directory (none: no checkpoints)."""
+    every_steps: int = Field(default=5, ge=1)
+    """Checkpoint (and durably ack) every this many steps."""
+    keep: int = Field(default=2, ge=1)
+    """Checkpoints kept."""
+
+
+class EvalConfig(LaminarModel):
+    """Held-out evaluation (greedy accuracy on a prompt file)."""
+
+    prompts: str | None = None
+    """JSONL of held-out records (id, task, prompt, answer); none: no eval."""
+    every_steps: int = Field(default=0, ge=0)
+    """Evaluate every this many steps (0: only before and after)."""
+    max_new_tokens: int = Field(default=32, ge=1)
+    """Greedy decoding budget."""
+    limit: int = Field(default=200, ge=1)
+    """Records evaluated."""
+
+
+class SimulateConfig(LaminarModel):
+    """A simulated training step, for scheduling benchmarks (no model is loaded)."""
+
+    step_s: float = Field(default=0.5, ge=0)
+    """Seconds one simulated step takes (the loop sleeps)."""
+    weight_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
+    """Size of the simulated weights published each step."""
+
+
+class TrainerConfig(LaminarModel):
+    """Config of ``laminar-trainer run``."""
+
+    job: str = "laminar"
+    """Job name."""
+    trainer_id: str = Field(default_factory=lambda: f"trainer-{socket.gethostname()}")
+    """Member id."""
+    model_dir: str | None = None
+    """Warm-started model + tokenizer (save_pretrained dir); required unless simulate is set."""
+    simulate: SimulateConfig | None = None
+    """Simulated training step instead of a model (benchmarks only)."""
+    listen: str = "tcp://127.0.0.1:0"
+    """ZeroMQ endpoint workers push trajectories to."""
+    batch_groups: int = Field(default=8, ge=1)
+    """Complete GRPO groups consumed per step."""
+    total_steps: int = Field(default=20, ge=1)
+    """Steps to train; the trainer exits 0 after the last one."""
+    publish_every: int = Field(default=1, ge=1)
+    """Publish weights every this many steps."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature the workers use (log-probs are computed at it)."""
+    wait_timeout_s: float = Field(default=600.0, gt=0)
+    """Give up if no full step of data arrives for this long."""
+    buffer: BufferConfig = BufferConfig()
+    """Experience buffer."""
+    loss: LossConfig = LossConfig()
+    """Objective."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoints."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
+    run_dir: str = "runs/latest"
+    """Metrics (metrics.jsonl), consumed-id log and summary go here."""
+    seed: int = 0
+    """Seed of torch."""
+    threads: int = Field(default=1, ge=1)
+    """torch intra-op threads."""
+    etcd: EtcdConfig = EtcdConfig()
+    """etcd connection and lease."""
+    logging: LoggingConfig = LoggingConfig()
+    """Log level and format."""

@@ -1,0 +1,483 @@
+"""The demo's tiny policy: a character-level tokenizer, a small Qwen2 model, a warm start.
+
+This module owns everything needed to produce, offline and in code, a model
+directory that the rest of Laminar loads like any Hugging Face checkpoint:
+
+- ``build_tokenizer``: a character-level ``PreTrainedTokenizerFast`` over
+  ``laminar_common.tasks.TASK_ALPHABET`` plus ``<pad>``, ``<bos>``, ``<eos>``
+  and ``<unk>``. Encoding a text prepends ``<bos>``; there are no merges, so
+  ``encode(prompt + answer) == encode(prompt) + chars(answer)``.
+- ``build_tiny_model``: a randomly initialised (seeded) ``Qwen2ForCausalLM``.
+- ``warm_start``: a short supervised phase (teacher forcing on
+  ``prompt + answer + <eos>``, loss on the answer and ``<eos>`` only) that
+  leaves greedy held-out accuracy in the range where RL has signal, then
+  ``save_pretrained`` of model and tokenizer so that
+  ``AutoModelForCausalLM.from_pretrained(out_dir)`` and
+  ``AutoTokenizer.from_pretrained(out_dir)`` load it with no network.
+- ``generate_completions`` / ``evaluate_accuracy``: plain batched decoding
+  with a KV cache (greedy or sampled, recording per-token log-probs), used to
+  measure accuracy and by ``tools/rl_feasibility.py``.
+
+The defaults (task, model size, warm-start steps) are the ones the
+feasibility experiment picked for the demo run; see ``tools/rl_feasibility.py``.
+
+Invariants: everything is deterministic for fixed seeds on one machine and
+thread count (CPU matmuls may differ in the last bits across thread counts);
+special-token ids are fixed (``PAD_ID=0, BOS_ID=1, EOS_ID=2, UNK_ID=3``) and
+the character ids follow ``TASK_ALPHABET`` order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, processors
+from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from laminar_common.tasks import TASK_ALPHABET, make_task_records, score_completion
+
+__all__ = [
+    "BOS_ID",
+    "DEFAULT_MODEL_SIZES",
+    "EOS_ID",
+    "PAD_ID",
+    "SPECIAL_TOKENS",
+    "UNK_ID",
+    "Completions",
+    "WarmStartResult",
+    "build_tiny_model",
+    "build_tokenizer",
+    "compute_token_logprobs",
+    "encode_prompts",
+    "evaluate_accuracy",
+    "generate_completions",
+    "pack_sequences",
+    "train_supervised",
+    "warm_start",
+]
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
+
+DEFAULT_MODEL_SIZES: dict[str, int] = {
+    "hidden_size": 128,
+    "num_layers": 4,
+    "num_heads": 4,
+    "intermediate_size": 512,
+    "max_position_embeddings": 64,
+}
+"""Model size used by the demo (about 0.8M parameters)."""
+
+# transformers 5 renamed the forward's ``past_key_values`` argument to ``cache``.
+_CACHE_KWARG = (
+    "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters
+    else "past_key_values"
+)
+
+DEFAULT_TASK = "sort"
+DEFAULT_WARM_START_STEPS = 200
+DEFAULT_WARM_START_LR = 1e-3
+DEFAULT_WARM_START_BATCH = 64
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the character-level tokenizer over ``TASK_ALPHABET`` plus special tokens."""
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *TASK_ALPHABET])}
+    if len(vocab) != len(SPECIAL_TOKENS) + len(TASK_ALPHABET):
+        raise ValueError("TASK_ALPHABET repeats a character or clashes with a special token")
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        model_max_length=DEFAULT_MODEL_SIZES["max_position_embeddings"],
+    )
+
+
+def build_tiny_model(
+    vocab_size: int,
+    *,
+    hidden_size: int = DEFAULT_MODEL_SIZES["hidden_size"],
+    num_layers: int = DEFAULT_MODEL_SIZES["num_layers"],
+    num_heads: int = DEFAULT_MODEL_SIZES["num_heads"],
+    intermediate_size: int = DEFAULT_MODEL_SIZES["intermediate_size"],
+    max_position_embeddings: int = DEFAULT_MODEL_SIZES["max_position_embeddings"],
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """Build a randomly initialised (seeded) float32 Qwen2 causal LM.
+
+    Raises:
+        ValueError: ``hidden_size`` is not divisible by ``num_heads``.
+    """
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.eos_token_id = EOS_ID
+    return model
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str]) -> list[list[int]]:
+    """Tokenize prompts (each starts with ``<bos>``)."""
+    return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+
+
+def pack_sequences(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    pad_id: int = PAD_ID,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad ``prompt + completion`` rows into one batch.
+
+    Returns:
+        ``(input_ids, attention_mask, completion_mask)``, each ``[B, T]``;
+        ``completion_mask`` is True at the positions holding completion tokens.
+
+    Raises:
+        ValueError: the two lists differ in length or a prompt is empty.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(
+            f"got {len(prompt_ids)} prompts but {len(completion_ids)} completions"
+        )
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (its <bos>)")
+    width = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+    batch = len(prompt_ids)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    completion_mask = torch.zeros((batch, width), dtype=torch.bool)
+    for row, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        n_p, n = len(p), len(p) + len(c)
+        input_ids[row, :n] = torch.tensor([*p, *c], dtype=torch.long)
+        attention_mask[row, :n] = 1
+        completion_mask[row, n_p:n] = True
+    return input_ids, attention_mask, completion_mask
+
+
+def compute_token_logprobs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Log-probability of each token given its prefix, for right-padded rows.
+
+    Returns:
+        ``[B, T]``: entry ``t`` is ``log p(input_ids[:, t] | input_ids[:, :t])``;
+        column 0 (no prefix) is 0. Align with ``completion_mask`` from
+        ``pack_sequences`` to select completion tokens.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return F.pad(picked, (1, 0), value=0.0)
+
+
+@dataclass
+class Completions:
+    """Output of ``generate_completions``, one entry per prompt row.
+
+    ``token_ids[i]`` ends with ``EOS_ID`` if the row finished, and
+    ``logprobs[i][j]`` is the sampling distribution's log-probability of
+    ``token_ids[i][j]`` (at the temperature used; 0.0 everywhere for greedy).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finished: list[bool]
+
+
+@torch.no_grad()
+def generate_completions(
+    model: PreTrainedModel,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    eos_id: int = EOS_ID,
+    pad_id: int = PAD_ID,
+) -> Completions:
+    """Decode a batch with a KV cache: greedy when ``temperature == 0``, else sampled.
+
+    Prompts are left-padded; position ids count real tokens only, so the
+    result matches ``compute_token_logprobs`` on the right-padded batch.
+
+    Raises:
+        ValueError: ``max_new_tokens < 1`` or ``temperature < 0``.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    was_training = model.training
+    model.eval()
+    batch = len(prompt_ids)
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, p in enumerate(prompt_ids):
+        input_ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        attention_mask[row, width - len(p) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    past = None
+    step_input, step_positions = input_ids, position_ids
+    done = torch.zeros(batch, dtype=torch.bool)
+    tokens, token_logprobs = [], []
+    for _ in range(max_new_tokens):
+        out = model(
+            input_ids=step_input,
+            attention_mask=attention_mask,
+            position_ids=step_positions,
+            use_cache=True,
+            **{_CACHE_KWARG: past},
+        )
+        past = out.get(_CACHE_KWARG)
+        logits = out.logits[:, -1].float()
+        if temperature == 0.0:
+            next_token = logits.argmax(-1)
+            next_logprob = torch.zeros(batch)
+        else:
+            logprobs = torch.log_softmax(logits / temperature, dim=-1)
+            next_token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+            next_logprob = logprobs.gather(-1, next_token.unsqueeze(-1)).squeeze(-1)
+        next_token = torch.where(done, torch.full_like(next_token, pad_id), next_token)
+        tokens.append(next_token)
+        token_logprobs.append(next_logprob)
+        done = done | (next_token == eos_id)
+        if bool(done.all()):
+            break
+        step_input = next_token.unsqueeze(-1)
+        step_positions = step_positions[:, -1:] + 1
+        attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], 1)
+    model.train(was_training)
+    token_matrix = torch.stack(tokens, 1).tolist()
+    logprob_matrix = torch.stack(token_logprobs, 1).tolist()
+    result = Completions(token_ids=[], logprobs=[], finished=[])
+    for row_tokens, row_logprobs in zip(token_matrix, logprob_matrix):
+        n = row_tokens.index(eos_id) + 1 if eos_id in row_tokens else len(row_tokens)
+        result.token_ids.append(row_tokens[:n])
+        result.logprobs.append(row_logprobs[:n])
+        result.finished.append(eos_id in row_tokens)
+    return result
+
+
+def _answer_budget(records: Sequence[Mapping[str, Any]]) -> int:
+    # Room for the longest answer, <eos>, and a few extra tokens so that a
+    # model which never stops is not cut off exactly at a right answer.
+    return max(len(r["answer"]) for r in records) + 4
+
+
+def evaluate_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    records: Sequence[Mapping[str, Any]],
+    max_new_tokens: int | None = None,
+    *,
+    batch_size: int = 256,
+) -> float:
+    """Greedy-decode each record's prompt and return the mean ``score_completion``.
+
+    ``max_new_tokens`` defaults to the longest answer plus 4.
+
+    Raises:
+        ValueError: ``records`` is empty.
+    """
+    if not records:
+        raise ValueError("evaluate_accuracy needs at least one record")
+    budget = max_new_tokens or _answer_budget(records)
+    total = 0.0
+    for start in range(0, len(records), batch_size):
+        chunk = records[start : start + batch_size]
+        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in chunk])
+        completions = generate_completions(model, prompt_ids, budget)
+        for record, ids in zip(chunk, completions.token_ids):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            total += score_completion(record, text)
+    return total / len(records)
+
+
+def train_supervised(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    records: Sequence[Mapping[str, Any]],
+    steps: int,
+    *,
+    batch_size: int = DEFAULT_WARM_START_BATCH,
+    lr: float = DEFAULT_WARM_START_LR,
+    warmup_steps: int = 20,
+) -> list[float]:
+    """Teacher-force ``prompt + answer + <eos>``; the loss covers answer and ``<eos>`` only.
+
+    Batches walk through ``records`` in order (wrapping around); AdamW with
+    linear warmup then cosine decay to 10% of ``lr``.
+
+    Returns:
+        The loss of every step.
+
+    Raises:
+        ValueError: ``steps < 0`` or no records.
+    """
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    if not records:
+        raise ValueError("train_supervised needs at least one record")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    losses = []
+    for step in range(steps):
+        start = (step * batch_size) % len(records)
+        chunk = [records[(start + i) % len(records)] for i in range(batch_size)]
+        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in chunk])
+        answer_ids = [
+            [*tokenizer(r["answer"], add_special_tokens=False)["input_ids"], EOS_ID] for r in chunk
+        ]
+        input_ids, attention_mask, target_mask = pack_sequences(prompt_ids, answer_ids)
+        logprobs = compute_token_logprobs(model, input_ids, attention_mask)
+        loss = -(logprobs * target_mask).sum() / target_mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss))
+    return losses
+
+
+@dataclass
+class WarmStartResult:
+    """What ``warm_start`` produced: the model (also saved to ``out_dir``) and its accuracy."""
+
+    out_dir: Path
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerFast
+    accuracy: float
+    final_loss: float
+    steps: int
+    seconds: float
+
+
+def _save(out_dir: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> None:
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    # transformers>=5 writes its own class name; the portable name loads with 4.x too.
+    config_path = out_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def warm_start(
+    out_dir: str | Path,
+    task: str = DEFAULT_TASK,
+    steps: int = DEFAULT_WARM_START_STEPS,
+    seed: int = 0,
+    *,
+    difficulty: Mapping[str, int] | None = None,
+    model_sizes: Mapping[str, int] | None = None,
+    batch_size: int = DEFAULT_WARM_START_BATCH,
+    lr: float = DEFAULT_WARM_START_LR,
+    n_eval: int = 256,
+) -> WarmStartResult:
+    """Build the tiny model, train it briefly on ``task``, evaluate it and save it.
+
+    Training records come from the task's train split (seed ``seed``),
+    evaluation records from its eval split, so the reported accuracy is
+    held-out. ``out_dir`` ends up holding ``config.json``,
+    ``model.safetensors``, the tokenizer files and ``warm_start.json`` (the
+    settings and accuracy of this run).
+
+    Args:
+        out_dir: directory to write (created if missing).
+        task: a ``laminar_common.tasks.TASKS`` key.
+        steps: supervised steps (0 saves the random init).
+        seed: seeds the model init, the training data and the eval data.
+        difficulty: overrides of the task's default difficulty.
+        model_sizes: overrides of ``DEFAULT_MODEL_SIZES``.
+        n_eval: number of held-out records to measure greedy accuracy on.
+    """
+    started = time.perf_counter()
+    difficulty = dict(difficulty or {})
+    sizes = {**DEFAULT_MODEL_SIZES, **(model_sizes or {})}
+    unknown = sorted(set(sizes) - set(DEFAULT_MODEL_SIZES))
+    if unknown:
+        raise ValueError(
+            f"unknown model size field(s) {unknown}; expected {sorted(DEFAULT_MODEL_SIZES)}"
+        )
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = sizes["max_position_embeddings"]
+    model = build_tiny_model(len(tokenizer), seed=seed, **sizes)
+    train_records = make_task_records(task, max(1, steps * batch_size), seed, "train", **difficulty)
+    eval_records = make_task_records(task, n_eval, seed, "eval", **difficulty)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        losses = train_supervised(
+            model, tokenizer, train_records, steps, batch_size=batch_size, lr=lr
+        )
+    model.eval()
+    accuracy = evaluate_accuracy(model, tokenizer, eval_records)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _save(out, model, tokenizer)
+    seconds = time.perf_counter() - started
+    final_loss = losses[-1] if losses else float("nan")
+    summary = {
+        "task": task,
+        "difficulty": difficulty,
+        "model_sizes": sizes,
+        "steps": steps,
+        "seed": seed,
+        "batch_size": batch_size,
+        "lr": lr,
+        "eval_accuracy": accuracy,
+        "n_eval": n_eval,
+        "final_loss": final_loss,
+        "seconds": seconds,
+    }
+    (out / "warm_start.json").write_text(json.dumps(summary, indent=2) + "\n")
+    logger.info(
+        "warm start %s: %d steps, loss %.3f, held-out accuracy %.3f, %.1fs",
+        task, steps, final_loss, accuracy, seconds,
+    )
+    return WarmStartResult(out, model, tokenizer, accuracy, final_loss, steps, seconds)

@@ -1,0 +1,355 @@
+"""The trainer (``laminar-trainer run``): streaming GRPO on finished trajectories.
+
+Owns the experience buffer, the model and optimizer, the step loop, weight
+publishing and checkpoints. It registers in etcd (role ``trainer``) with the
+address of its trajectory PULL socket, so workers find it and re-send their
+unacked outboxes when it (re)appears.
+
+Per step: wait until ``batch_groups`` complete groups are buffered (never a
+whole rollout batch), compute group-normalised advantages, the clipped
+policy loss with off-policy correction against the behaviour log-probs the
+workers recorded, step the optimizer, then snapshot the weights to host memory
+and hand them to the publisher thread (the only stall), and go on.
+
+Durability: every ``checkpoint.every_steps`` a checkpoint is written
+atomically and only then are the trajectory ids it covers acked to the
+manager. Ids consumed after the last checkpoint are rolled back on a restart
+(``--resume``): the consumed log is cut back to the checkpoint, so no
+trajectory is trained twice in the surviving run, and none is lost (its
+worker still holds it, unacked, and sends it again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from laminar_common.codec import Ack, Trajectory
+from laminar_common.errors import LaminarError, TransportError
+from laminar_common.etcd import make_coordinator
+from laminar_common.membership import MemberRecord
+from laminar_common.service import Service
+from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
+
+from .buffer import ExperienceBuffer, Group
+from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainerConfig
+from .publisher import Snapshot, WeightPublisher, snapshot_model
+from .step import StepResult, make_optimizer, train_step
+from .version import __version__
+
+__all__ = ["TrainerService"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainerService(Service):
+    """See module docstring."""
+
+    name = "trainer"
+
+    def __init__(self, config: TrainerConfig, publish_fn=None, coordinator=None,
+                 resume: bool = False) -> None:
+        super().__init__()
+        if config.model_dir is None and config.simulate is None:
+            raise LaminarError("trainer: set model_dir (or simulate, for benchmarks)")
+        self.config = config
+        self.coordinator = coordinator
+        self.resume = resume
+        self.publish_fn = publish_fn
+        self.run_dir = Path(config.run_dir)
+        self.step = 0
+        self.version = 0
+        self.model = None
+        self.tokenizer = None
+        self.optimizer = None
+        self.scheduler = None
+        self.ref_model = None
+        self.buffer = ExperienceBuffer(
+            capacity=config.buffer.capacity, policy=config.buffer.policy,
+            max_staleness=config.buffer.max_staleness, stale_action=config.buffer.stale_action,
+            downweight=config.buffer.downweight)
+        self.receiver: ZmqPullReceiver | None = None
+        self.publisher: WeightPublisher | None = None
+        self._acker: ZmqPushSender | None = None
+        self._unacked: list[str] = []
+        self._tokens_consumed = 0
+        self._t_first_step: float | None = None
+        self._wait_s = 0.0
+        self._train_s = 0.0
+        self.eval_before: float | None = None
+        self.eval_after: float | None = None
+        self.finished = threading.Event()
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def _start(self) -> None:
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(cfg.threads)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.coordinator is None:
+            self.coordinator = make_coordinator(cfg.etcd, cfg.job)
+        if self.publish_fn is None:
+            from laminar_common.relay_client import RelayClient
+
+            client = RelayClient(self.coordinator, client_id=cfg.trainer_id)
+            self.publish_fn = lambda version, tensors, step: client.publish(
+                version, tensors, trainer_step=step)
+        self.publisher = WeightPublisher(self.publish_fn)
+        self._load()
+        latest = self.coordinator.latest_version()
+        published = -1 if latest is None else latest.version
+        if self.step > 0 or published >= 0:
+            # A resumed (or restarted) trainer publishes its weights as a new version:
+            # versions only move forward, and workers must leave rolled-back weights.
+            self.version = max(self.version, published) + 1
+        self._publish(initial=True)
+        self.receiver = ZmqPullReceiver(cfg.listen, expect=Trajectory)
+        self.coordinator.register(MemberRecord(
+            member_id=cfg.trainer_id, role="trainer", address=self.receiver.endpoint,
+            package_version=__version__, extra={"step": str(self.step)}))
+        print(f"TRAINER READY {self.receiver.endpoint} step={self.step} v{self.version}",
+              flush=True)
+        self.spawn(self._receive_loop, "receive")
+        self.spawn(self._train_loop, "train")
+
+    def _close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        if self._acker is not None:
+            self._acker.close(linger_s=5)
+
+    # -- model ------------------------------------------------------------------
+
+    def _load(self) -> None:
+        cfg = self.config
+        ckpt = latest_checkpoint(cfg.checkpoint.dir) if self.resume and cfg.checkpoint.dir else None
+        if self.resume and ckpt is None:
+            log.warning("--resume: no checkpoint in %s; starting fresh", cfg.checkpoint.dir)
+        if cfg.simulate is None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            source = str(ckpt) if ckpt is not None else cfg.model_dir
+            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+            self.model.train()
+            self.tokenizer = AutoTokenizer.from_pretrained(source)
+            if cfg.loss.kl_coef > 0:
+                self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_dir,
+                                                                      dtype=torch.float32)
+                self.ref_model.eval().requires_grad_(False)
+            self.optimizer, self.scheduler = make_optimizer(self.model, cfg.optim, cfg.total_steps)
+        if ckpt is not None:
+            state = load_checkpoint(ckpt, self.optimizer)
+            self.step, self.version = state.step, state.version
+            self.buffer.consumed = set(state.consumed)
+            if self.scheduler is not None:
+                for _ in range(self.step):
+                    self.scheduler.step()
+            self._truncate_consumed_log(self.step)
+            log.info("resumed from %s: step %d, version %d, %d consumed ids", ckpt, self.step,
+                     self.version, len(state.consumed))
+        elif not self.resume:
+            for name in ("consumed.jsonl", "metrics.jsonl"):
+                (self.run_dir / name).unlink(missing_ok=True)
+
+    def _truncate_consumed_log(self, step: int) -> None:
+        path = self.run_dir / "consumed.jsonl"
+        if not path.exists():
+            return
+        kept = [line for line in path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+
+    def _snapshot(self) -> Snapshot:
+        if self.model is not None:
+            return snapshot_model(self.model, self.version, self.step)
+        t0 = time.perf_counter()
+        blob = memoryview(bytes(self.config.simulate.weight_bytes))
+        return Snapshot(self.version, self.step, [("simulated.weights", "uint8", (blob.nbytes,),
+                                                    blob)], blob.nbytes, time.perf_counter() - t0)
+
+    def _publish(self, initial: bool = False) -> float:
+        stall = self.publisher.submit(self._snapshot())
+        if initial:
+            self.publisher.wait_idle(timeout_s=300)
+        return stall
+
+    # -- loops ------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        while not self.stopping.is_set():
+            msg = self.receiver.recv(timeout_s=0.1)
+            if msg is not None:
+                self.buffer.add(msg)
+
+    def _train_loop(self) -> None:
+        cfg = self.config
+        if cfg.eval.prompts and self.model is not None and self.step == 0:
+            self.eval_before = self._evaluate()
+            print(f"EVAL before step 0: held-out accuracy {self.eval_before:.3f}", flush=True)
+        while self.step < cfg.total_steps and not self.stopping.is_set():
+            t0 = time.monotonic()
+            while not self.buffer.wait_ready(cfg.batch_groups, timeout_s=0.2):
+                if self.stopping.is_set():
+                    return
+                if time.monotonic() - t0 > cfg.wait_timeout_s:
+                    raise LaminarError(f"no full step of data for {cfg.wait_timeout_s:.0f}s")
+            waited = time.monotonic() - t0
+            groups = self.buffer.take(cfg.batch_groups, self.version)
+            if not groups:
+                continue
+            self._wait_s += waited
+            self._one_step(groups, waited)
+        self._finish()
+
+    def _one_step(self, groups: list[Group], waited: float) -> None:
+        cfg = self.config
+        t0 = time.monotonic()
+        consume_version = self.version
+        if self._t_first_step is None:
+            self._t_first_step = t0 - waited
+        if self.model is not None:
+            result = train_step(self.model, self.optimizer, self.scheduler, groups, cfg,
+                                ref_model=self.ref_model)
+        else:
+            time.sleep(cfg.simulate.step_s)
+            result = StepResult.simulated(groups)
+        self.step += 1
+        train_s = time.monotonic() - t0
+        self._train_s += train_s
+        stall = 0.0
+        if self.step % cfg.publish_every == 0 or self.step == cfg.total_steps:
+            self.version += 1
+            stall = self._publish()
+        trajs = [t for g in groups for t in g.trajectories()]
+        ids = [t.trajectory_id for t in trajs]
+        self._tokens_consumed += result.tokens
+        self._log_consumed(ids, groups)
+        self._unacked.extend(ids)
+        staleness = [consume_version - t.policy_version for t in trajs]
+        elapsed = time.monotonic() - self._t_first_step
+        metrics = {
+            "step": self.step, "version": self.version, "time": time.time(),
+            "loss": result.loss, "reward_mean": result.reward_mean,
+            "tokens": result.tokens, "tokens_per_s": self._tokens_consumed / max(elapsed, 1e-9),
+            "step_s": train_s, "wait_s": waited, "stall_s": stall,
+            "staleness_mean": statistics.fmean(staleness), "staleness_max": max(staleness),
+            "buffer": len(self.buffer), "simulated": self.model is None, **result.stats,
+        }
+        if cfg.checkpoint.dir and (self.step % cfg.checkpoint.every_steps == 0
+                                   or self.step == cfg.total_steps):
+            self._checkpoint()
+        elif not cfg.checkpoint.dir:
+            self._ack()
+        if cfg.eval.prompts and cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 \
+                and self.model is not None:
+            metrics["eval_accuracy"] = self._evaluate()
+        self._write_metrics(metrics)
+        self._put_status(metrics)
+        log.info("step %d v%d loss %.4f reward %.3f staleness %.2f tokens/s %.1f stall %.3fs",
+                 self.step, self.version, result.loss, result.reward_mean,
+                 metrics["staleness_mean"], metrics["tokens_per_s"], stall)
+        print(f"STEP {self.step} v{self.version} reward={result.reward_mean:.3f}", flush=True)
+
+    def _put_status(self, metrics: dict) -> None:
+        """A small snapshot for `laminar status` (once per step, never per trajectory)."""
+        keep = ("step", "version", "reward_mean", "tokens_per_s", "staleness_mean",
+                "staleness_max", "buffer", "time")
+        try:
+            self.coordinator.put_state("trainer", json.dumps(
+                {k: metrics[k] for k in keep} | {"total_steps": self.config.total_steps}).encode())
+        except LaminarError as exc:
+            log.warning("could not write the status snapshot to etcd: %s", exc)
+
+    def _log_consumed(self, ids: list[str], groups: list[Group]) -> None:
+        with open(self.run_dir / "consumed.jsonl", "a") as fh:
+            fh.write(json.dumps({"step": self.step, "version": self.version, "ids": ids}) + "\n")
+
+    def _write_metrics(self, metrics: dict) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(metrics) + "\n")
+
+    def _checkpoint(self) -> None:
+        t0 = time.monotonic()
+        state = TrainerState(self.step, self.version, sorted(self.buffer.consumed), self.config.seed)
+        save_checkpoint(self.config.checkpoint.dir, self.model, self.tokenizer, self.optimizer,
+                        state, keep=self.config.checkpoint.keep)
+        log.info("checkpoint at step %d in %.2fs", self.step, time.monotonic() - t0)
+        self._ack()
+
+    def _ack(self) -> None:
+        if not self._unacked:
+            return
+        if self._acker is None:
+            managers = self.coordinator.members("manager")
+            if not managers:
+                log.warning("no manager registered: %d acks wait", len(self._unacked))
+                return
+            rec = sorted(managers.values(), key=lambda r: r.member_id)[0]
+            self._acker = ZmqPushSender(rec.extra["ack"], send_timeout_s=10)
+        try:
+            self._acker.send(Ack(trajectory_ids=tuple(self._unacked), trainer_step=self.step,
+                                 trainer_version=self.version))
+            self._unacked = []
+        except TransportError as exc:
+            log.warning("acks to the manager failed (will retry): %s", exc)
+
+    def _evaluate(self) -> float:
+        from laminar_common.tasks import read_jsonl
+
+        from .model import evaluate_accuracy
+
+        records = read_jsonl(self.config.eval.prompts)[: self.config.eval.limit]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return evaluate_accuracy(self.model, self.tokenizer, records,
+                                         self.config.eval.max_new_tokens)
+        finally:
+            self.model.train()
+
+    def _finish(self) -> None:
+        cfg = self.config
+        self.publisher.wait_idle(timeout_s=300)
+        if cfg.eval.prompts and self.model is not None:
+            self.eval_after = self._evaluate()
+            print(f"EVAL after step {self.step}: held-out accuracy {self.eval_after:.3f}",
+                  flush=True)
+        summary = self.summary()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print("TRAINER DONE " + json.dumps(summary, sort_keys=True), flush=True)
+        self.finished.set()
+        self.stopping.set()
+
+    def summary(self) -> dict:
+        hist = dict(sorted(self.buffer.stats.staleness.items()))
+        total = sum(hist.values()) or 1
+        elapsed = (time.monotonic() - self._t_first_step) if self._t_first_step else 0.0
+        pub = self.publisher.stats
+        return {
+            "steps": self.step, "version": self.version, "eval_before": self.eval_before,
+            "eval_after": self.eval_after, "tokens_consumed": self._tokens_consumed,
+            "tokens_per_s": self._tokens_consumed / elapsed if elapsed else 0.0,
+            "trainer_idle_fraction": self._wait_s / elapsed if elapsed else 0.0,
+            "staleness_hist": hist,
+            "staleness_mean": sum(k * v for k, v in hist.items()) / total,
+            "publishes": pub.published, "publish_failed": pub.failed,
+            "stall_mean_s": statistics.fmean(pub.stall_s) if pub.stall_s else 0.0,
+            "send_mean_s": statistics.fmean(pub.send_s) if pub.send_s else 0.0,
+            "buffer": vars(self.buffer.stats) | {"staleness": hist},
+            "simulated_step": self.model is None, "run_dir": str(self.run_dir),
+        }

@@ -1,0 +1,113 @@
+"""One optimizer step on a list of complete GRPO groups (the math lives in ``loss``).
+
+Builds the padded batch from the trajectories (prompt + response token ids),
+recomputes the policy's log-probs at the workers' sampling temperature,
+lines up the behaviour log-probs the workers recorded, and applies
+``compute_policy_loss`` with group-normalised advantages (scaled by each
+group's buffer weight), an optional KL to the reference model, gradient
+accumulation over micro-batches of groups, and global-norm clipping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .buffer import Group
+from .loss import compute_grpo_advantages, compute_kl_penalty, compute_policy_loss
+from .model import pack_sequences
+
+__all__ = ["StepResult", "make_optimizer", "train_step", "token_logprobs"]
+
+
+@dataclass
+class StepResult:
+    loss: float
+    reward_mean: float
+    tokens: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def simulated(cls, groups: list[Group]) -> StepResult:
+        trajs = [t for g in groups for t in g.trajectories()]
+        return cls(0.0, sum(t.reward for t in trajs) / len(trajs),
+                   sum(len(t.response_token_ids) for t in trajs))
+
+
+def make_optimizer(model: torch.nn.Module, cfg, total_steps: int):
+    """AdamW with linear warm-up, then constant or cosine decay (stepped once per step)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "cosine":
+            span = max(1, total_steps - cfg.warmup_steps)
+            progress = min(1.0, (step - cfg.warmup_steps) / span)
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """``[B, T]`` log-prob of each token given its prefix at ``temperature`` (column 0 is 0)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0), value=0.0)
+
+
+def _micro_batches(groups: list[Group], size: int) -> list[list[Group]]:
+    if size <= 0:
+        return [groups]
+    return [groups[i:i + size] for i in range(0, len(groups), size)]
+
+
+def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=None) -> StepResult:
+    """Forward, backward and one optimizer step over ``groups``; returns loss and stats."""
+    trajs_all = [t for g in groups for t in g.trajectories()]
+    total_tokens = sum(len(t.response_token_ids) for t in trajs_all)
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    stats_sum: dict[str, float] = {}
+    micro = _micro_batches(groups, cfg.optim.micro_batch_groups)
+    for part in micro:
+        trajs = [t for g in part for t in g.trajectories()]
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        group_ids = [t.prompt_id for t in trajs]
+        weights = torch.tensor([g.weight for g in part for _ in g.members], dtype=torch.float32)
+        adv = compute_grpo_advantages(rewards, group_ids) * weights
+        input_ids, attn, comp_mask = pack_sequences([list(t.prompt_token_ids) for t in trajs],
+                                                    [list(t.response_token_ids) for t in trajs])
+        old = torch.zeros(comp_mask.shape, dtype=torch.float32)
+        for row, t in enumerate(trajs):
+            cols = comp_mask[row].nonzero().squeeze(-1)
+            old[row, cols] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
+        logprobs = token_logprobs(model, input_ids, attn, cfg.temperature)
+        loss, stats = compute_policy_loss(
+            logprobs, old, adv[:, None].expand_as(logprobs), comp_mask,
+            clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high,
+            correction=cfg.loss.correction, tis_cap=cfg.loss.tis_cap,
+            aggregation=cfg.loss.aggregation)
+        if ref_model is not None and cfg.loss.kl_coef > 0:
+            with torch.no_grad():
+                ref = token_logprobs(ref_model, input_ids, attn, cfg.temperature)
+            kl = compute_kl_penalty(logprobs, ref, comp_mask, aggregation=cfg.loss.aggregation)
+            loss = loss + cfg.loss.kl_coef * kl
+            stats["kl"] = float(kl)
+        share = len(trajs) / len(trajs_all)
+        (loss * share).backward()
+        loss_sum += float(loss.detach()) * share
+        for key, value in stats.items():
+            stats_sum[key] = stats_sum.get(key, 0.0) + float(value) * share
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    stats_sum["grad_norm"] = float(grad_norm)
+    stats_sum["lr"] = scheduler.get_last_lr()[0]
+    return StepResult(loss_sum, sum(t.reward for t in trajs_all) / len(trajs_all), total_tokens,
+                      stats_sum)

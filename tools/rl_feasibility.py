@@ -1,0 +1,216 @@
+"""Feasibility check for the demo RL run: does GRPO lift the warm-started tiny model?
+
+In one process and on CPU: warm-start the tiny model (``laminar_trainer.model``),
+measure greedy held-out accuracy, then run a plain synchronous GRPO loop
+(sample ``group_size`` completions per prompt at temperature 1 with a KV
+cache, record behaviour log-probs, score them, group-normalise advantages,
+``laminar_trainer.loss.compute_policy_loss``, one AdamW step per batch) and
+measure held-out accuracy again. Prints one line per logged step and a JSON
+summary at the end.
+
+This is a tool, not the trainer: no relay, no rollout tier, no asynchrony.
+Its defaults are the settings chosen for the demo (see the trainer README);
+the real distributed run adds overhead on top of the compute measured here.
+
+Example::
+
+    python tools/rl_feasibility.py --seed 0
+    python tools/rl_feasibility.py --seed 1 --rl-steps 60 --lr 5e-4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--task", default="sort", help="laminar_common.tasks.TASKS key")
+    parser.add_argument("--min-len", type=int, default=None, help="sort/reverse: shortest list")
+    parser.add_argument("--max-len", type=int, default=None, help="sort/reverse: longest list")
+    parser.add_argument("--max-digits", type=int, default=None, help="add: longest operand")
+    parser.add_argument("--seed", type=int, default=0, help="seeds init, data, sampling")
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--warm-steps", type=int, default=None, help="supervised warm-start steps")
+    parser.add_argument("--rl-steps", type=int, default=60, help="GRPO optimizer steps")
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--lr", type=float, default=5e-4, help="RL AdamW learning rate")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--correction", default="decoupled", choices=["decoupled", "tis", "none"])
+    parser.add_argument(
+        "--aggregation",
+        default="token-mean",
+        choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
+    )
+    parser.add_argument("--n-eval", type=int, default=256, help="held-out records")
+    parser.add_argument("--eval-every", type=int, default=10, help="RL steps between evals")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--out-dir", default=None, help="warm-start dir (default: a temp dir)")
+    parser.add_argument("--json", default=None, help="also write the summary to this file")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    # Imported here so that --help is instant.
+    import torch
+
+    from laminar_common.tasks import TASKS, make_task_records, score_completion
+    from laminar_trainer.loss import compute_grpo_advantages, compute_policy_loss
+    from laminar_trainer.model import (
+        DEFAULT_WARM_START_STEPS,
+        compute_token_logprobs,
+        encode_prompts,
+        evaluate_accuracy,
+        generate_completions,
+        pack_sequences,
+        warm_start,
+    )
+
+    torch.set_num_threads(args.threads)
+    difficulty = {
+        key: value
+        for key, value in (
+            ("min_len", args.min_len),
+            ("max_len", args.max_len),
+            ("max_digits", args.max_digits),
+        )
+        if value is not None and key in TASKS[args.task].defaults
+    }
+    sizes = {
+        key: value
+        for key, value in (("hidden_size", args.hidden_size), ("num_layers", args.num_layers))
+        if value is not None
+    }
+    warm_steps = DEFAULT_WARM_START_STEPS if args.warm_steps is None else args.warm_steps
+    out_dir = args.out_dir or tempfile.mkdtemp(prefix="laminar-feasibility-")
+
+    started = time.perf_counter()
+    warm = warm_start(
+        out_dir,
+        args.task,
+        warm_steps,
+        args.seed,
+        difficulty=difficulty,
+        model_sizes=sizes,
+        n_eval=args.n_eval,
+    )
+    warm_seconds = time.perf_counter() - started
+    model, tokenizer = warm.model, warm.tokenizer
+    eval_records = make_task_records(args.task, args.n_eval, args.seed, "eval", **difficulty)
+    max_new_tokens = max(len(r["answer"]) for r in eval_records) + 4
+    print(
+        f"warm start: {warm_steps} steps, held-out greedy accuracy {warm.accuracy:.3f}, "
+        f"{warm_seconds:.1f}s",
+        flush=True,
+    )
+
+    n_prompts = args.prompts_per_step * args.rl_steps
+    # A seed offset keeps RL prompts apart from the warm-start stream.
+    rl_records = make_task_records(args.task, n_prompts, args.seed + 10_000, "train", **difficulty)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    sampler = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    history = [{"step": 0, "accuracy": warm.accuracy, "seconds": 0.0}]
+    rl_started = time.perf_counter()
+    for step in range(1, args.rl_steps + 1):
+        batch = rl_records[(step - 1) * args.prompts_per_step : step * args.prompts_per_step]
+        rows = [r for r in batch for _ in range(args.group_size)]
+        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows])
+        model.eval()
+        samples = generate_completions(
+            model, prompt_ids, max_new_tokens, temperature=args.temperature, generator=sampler
+        )
+        rewards = torch.tensor(
+            [
+                score_completion(r, tokenizer.decode(ids, skip_special_tokens=True))
+                for r, ids in zip(rows, samples.token_ids)
+            ]
+        )
+        advantages = compute_grpo_advantages(rewards.view(-1, args.group_size)).view(-1)
+        # Zero-advantage rows contribute no gradient; skipping them saves the
+        # forward/backward (their only effect would be on the token-mean divisor).
+        keep = [i for i in range(len(rows)) if advantages[i] != 0]
+        stats: dict[str, float] = {}
+        if keep:
+            model.train()
+            input_ids, attention_mask, mask = pack_sequences(
+                [prompt_ids[i] for i in keep], [samples.token_ids[i] for i in keep]
+            )
+            old_logprobs = torch.zeros(mask.shape)
+            for row, i in enumerate(keep):
+                start = len(prompt_ids[i])
+                old_logprobs[row, start : start + len(samples.logprobs[i])] = torch.tensor(
+                    samples.logprobs[i]
+                )
+            logprobs = compute_token_logprobs(model, input_ids, attention_mask)
+            loss, stats = compute_policy_loss(
+                logprobs,
+                old_logprobs,
+                advantages[keep],
+                mask,
+                correction=args.correction,
+                aggregation=args.aggregation,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        if step % args.eval_every == 0 or step == args.rl_steps:
+            accuracy = evaluate_accuracy(model, tokenizer, eval_records, max_new_tokens)
+            elapsed = time.perf_counter() - rl_started
+            history.append({"step": step, "accuracy": accuracy, "seconds": round(elapsed, 1)})
+            print(
+                f"rl step {step:4d}: reward {rewards.mean():.3f}, trained rows {len(keep):3d}, "
+                f"ratio {stats.get('ratio_mean', 1.0):.3f}, "
+                f"behaviour kl {stats.get('behaviour_kl', 0.0):.2e}, "
+                f"held-out accuracy {accuracy:.3f}, {elapsed:.1f}s",
+                flush=True,
+            )
+    rl_seconds = time.perf_counter() - rl_started
+    final = history[-1]["accuracy"]
+    summary = {
+        "task": args.task,
+        "difficulty": difficulty,
+        "seed": args.seed,
+        "model_sizes": sizes or "default",
+        "warm_steps": warm_steps,
+        "rl_steps": args.rl_steps,
+        "prompts_per_step": args.prompts_per_step,
+        "group_size": args.group_size,
+        "lr": args.lr,
+        "correction": args.correction,
+        "aggregation": args.aggregation,
+        "accuracy_before": warm.accuracy,
+        "accuracy_after": final,
+        "gain_pp": round(100 * (final - warm.accuracy), 1),
+        "best_accuracy": max(h["accuracy"] for h in history),
+        "warm_seconds": round(warm_seconds, 1),
+        "rl_seconds": round(rl_seconds, 1),
+        "total_seconds": round(time.perf_counter() - started, 1),
+        "history": history,
+        "model_dir": out_dir,
+    }
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    summary = run(args)
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
