@@ -26,6 +26,7 @@ __all__ = [
     "LaminarModel",
     "EtcdConfig",
     "LoggingConfig",
+    "MetricsConfig",
     "load_config",
     "read_config_file",
     "apply_override",
@@ -57,6 +58,15 @@ class EtcdConfig(LaminarModel):
     """etcd password for ``user``."""
     ca_cert: str | None = None
     """Path of the CA certificate for TLS to etcd (TLS off when unset)."""
+
+
+class MetricsConfig(LaminarModel):
+    """The Prometheus endpoint of a tier process."""
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of /metrics (0: any free port, advertised in etcd); unset: no endpoint."""
+    host: str = "127.0.0.1"
+    """Interface /metrics listens on."""
 
 
 class LoggingConfig(LaminarModel):

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig
+from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig, MetricsConfig
 from laminar_common.keys import validate_name
 from laminar_common.weights import MAX_CHUNK_BYTES
 
@@ -109,6 +109,8 @@ class RelayConfig(LaminarModel):
     store: StoreConfig = StoreConfig()
     chain: ChainConfig = ChainConfig()
     etcd: EtcdConfig = EtcdConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus /metrics endpoint (off unless metrics.port is set)."""
     logging: LoggingConfig = LoggingConfig()
 
     @field_validator("job")

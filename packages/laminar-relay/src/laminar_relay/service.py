@@ -42,6 +42,7 @@ from laminar_common.errors import (
     TransportError,
 )
 from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent, VersionRecord
+from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.proto import relay_pb2, relay_pb2_grpc
 from laminar_common.relay_wire import (
     EXTRA_DATA_ENDPOINT,
@@ -128,9 +129,14 @@ class RelayService(Service):
         max_fetch_wait_s: float = 120.0,
         control_interval_s: float = 1.0,
         rpc_timeout_s: float = 10.0,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         super().__init__()
         self.member_id = member_id
+        self._metrics_port = metrics_port
+        self._metrics_host = metrics_host
+        self.metrics: MetricsServer | None = None
         self.coordinator = coordinator
         self.store = store
         self.bind_host = bind_host
@@ -226,6 +232,11 @@ class RelayService(Service):
         self.address = f"{self.advertise_host}:{port}"
         self._server.start()
         self.coordinator.watch_members(self._on_membership, role=RELAY_ROLE)
+        extra = {EXTRA_DATA_ENDPOINT: self.data_endpoint, EXTRA_STORE: self.store_backend}
+        if self._metrics_port is not None:
+            self.metrics = MetricsServer("relay", self.coordinator.keys.job, self.member_id,
+                                         self._metrics)
+            extra["metrics"] = self.metrics.start(self._metrics_host, self._metrics_port)
         self.coordinator.register(
             MemberRecord(
                 member_id=self.member_id,
@@ -235,7 +246,7 @@ class RelayService(Service):
                 package_version=__version__,
                 protocol_version=PROTOCOL_VERSION,
                 capacity=self.store.max_bytes,
-                extra={EXTRA_DATA_ENDPOINT: self.data_endpoint, EXTRA_STORE: self.store_backend},
+                extra=extra,
             )
         )
         log.info(
@@ -253,6 +264,8 @@ class RelayService(Service):
         # Revoking the lease removes this relay's record and, if it is the master,
         # the election key with it: the others rebuild the chain and elect at once.
         self.coordinator.close()
+        if self.metrics is not None:
+            self.metrics.stop()
         if self._server is not None:
             self._server.stop(grace=1.0).wait(5.0)
         if self.forwarder is not None:
@@ -385,6 +398,22 @@ class RelayService(Service):
 
     # -- status -------------------------------------------------------------
 
+    def _metrics(self) -> list[Metric]:
+        h = self.health()
+        return [
+            Metric("versions_stored", "gauge", "complete versions held", len(h.versions)),
+            Metric("latest_stored_version", "gauge", "newest version held",
+                   max(h.versions) if h.versions else -1),
+            Metric("used_bytes", "gauge", "bytes held (complete + receiving)", h.used_bytes),
+            Metric("max_bytes", "gauge", "memory cap", h.max_bytes),
+            Metric("readers", "gauge", "reader leases held", h.readers),
+            Metric("is_master", "gauge", "1 on the master relay", int(h.master)),
+            Metric("forwarded_version", "gauge", "newest version sent downstream",
+                   h.forwarded_version),
+            Metric("rejected_total", "counter", "refused requests and frames", labels=("reason",),
+                   values={(k,): v for k, v in h.rejected.items()}),
+        ]
+
     def health(self) -> relay_pb2.HealthReply:
         stats = self.store.stats()
         rejected: dict[str, int] = {}
@@ -464,4 +493,6 @@ def make_relay_service(config: RelayConfig, coordinator: Coordinator | None = No
         reader_lease_s=config.store.reader_lease_s,
         max_fetch_wait_s=config.max_fetch_wait_s,
         control_interval_s=config.chain.control_interval_s or max(0.2, config.etcd.ttl_s / 3),
+        metrics_port=config.metrics.port,
+        metrics_host=config.metrics.host,
     )

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig
+from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig, MetricsConfig
 
 __all__ = [
     "TorchEngineConfig",
@@ -128,6 +128,8 @@ class WorkerConfig(LaminarModel):
     """How long one weight fetch may take."""
     stats_path: str | None = None
     """Write counters, busy/weight-wait time and a busy/idle/weights timeline here on exit."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus /metrics endpoint (off unless metrics.port is set)."""
     etcd: EtcdConfig = EtcdConfig()
     """etcd connection and lease."""
     logging: LoggingConfig = LoggingConfig()
@@ -181,6 +183,8 @@ class ManagerConfig(LaminarModel):
     """A worker silent this long (or whose lease expired) is considered dead."""
     repack: RepackConfig = RepackConfig()
     """Dynamic repack."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus /metrics endpoint (off unless metrics.port is set)."""
     etcd: EtcdConfig = EtcdConfig()
     """etcd connection and lease."""
     logging: LoggingConfig = LoggingConfig()

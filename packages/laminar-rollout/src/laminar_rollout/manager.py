@@ -27,6 +27,7 @@ from laminar_common.codec import Command, PartialProgress, PromptTask, SamplingS
 from laminar_common.errors import LaminarError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent, VersionRecord
+from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
 from laminar_common.transport import TransportError, ZmqPullReceiver, ZmqServer
 
@@ -94,6 +95,7 @@ class ManagerService(Service):
         self._drained_announced = False
         self.server: ZmqServer | None = None
         self.acks: ZmqPullReceiver | None = None
+        self.metrics: MetricsServer | None = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -107,9 +109,15 @@ class ManagerService(Service):
         latest = self.coordinator.latest_version()
         if latest is not None:
             self.latest = latest.version
+        extra = {"ack": self.acks.endpoint, "mode": self.config.mode}
+        if self.config.metrics.port is not None:
+            self.metrics = MetricsServer("manager", self.config.job, self.config.manager_id,
+                                         self._metrics)
+            extra["metrics"] = self.metrics.start(self.config.metrics.host,
+                                                  self.config.metrics.port)
         self.coordinator.register(MemberRecord(
             member_id=self.config.manager_id, role="manager", address=self.server.endpoint,
-            package_version=__version__, extra={"ack": self.acks.endpoint, "mode": self.config.mode},
+            package_version=__version__, extra=extra,
         ))
         log.info("manager %s: %d prompts x %d samples, mode %s, workers at %s, acks at %s",
                  self.config.manager_id, len(self.records), self.config.group_size,
@@ -119,6 +127,8 @@ class ManagerService(Service):
 
     def _close(self) -> None:
         self._write_state(force=True)
+        if self.metrics is not None:
+            self.metrics.stop()
         if self.coordinator is not None:
             self.coordinator.close()
         for sock in (self.server, self.acks):
@@ -350,6 +360,31 @@ class ManagerService(Service):
                  ", ".join(f"{m.source}->{m.destination}" for m in moves))
 
     # -- reporting --------------------------------------------------------------
+
+    def _metrics(self) -> list[Metric]:
+        st, lc = self.stats, self.ledger.counters
+        return [
+            Metric("trajectories", "gauge", "trajectories by ledger state", labels=("state",),
+                   values={(k,): v for k, v in self.ledger.counts().items()}),
+            Metric("dispatched_total", "counter", "trajectories sent to workers", st.dispatched),
+            Metric("acks_total", "counter", "durable trainer acks received", st.acks),
+            Metric("workers", "gauge", "connected workers", len(self.workers)),
+            Metric("workers_lost_total", "counter", "workers declared dead", st.workers_lost),
+            Metric("repacks_total", "counter", "repack rounds that moved work", st.repacks),
+            Metric("repack_migrated_total", "counter", "trajectories migrated by repack",
+                   st.repack_migrated),
+            Metric("repack_seconds_total", "counter", "time spent planning + commanding repacks",
+                   st.repack_seconds),
+            Metric("resumed_total", "counter", "trajectories resumed from partial tokens",
+                   lc.resumed),
+            Metric("stale_reports_total", "counter", "worker reports that did not fit the ledger",
+                   lc.stale_reports),
+            Metric("latest_version", "gauge", "latest published weight version", self.latest),
+            Metric("rejected_frames_total", "counter", "frames refused by the worker socket",
+                   labels=("reason",),
+                   values={(k,): v for k, v in self.server.stats.rejected.items()}
+                   if self.server else {}),
+        ]
 
     def summary(self) -> dict[str, object]:
         return {

@@ -37,6 +37,7 @@ from laminar_common.codec import Command, PartialProgress, PromptTask, Trajector
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
+from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
 from laminar_common.transport import ZmqClient, ZmqPushSender
 
@@ -88,6 +89,7 @@ class WorkerService(Service):
         self.reward_fn = reward_fn or load_reward_fn(config.reward)
         self.coordinator = coordinator
         self.manager: ZmqClient | None = None
+        self.metrics: MetricsServer | None = None
         self.trainer: ZmqPushSender | None = None
         self._trainer_addr: str | None = None
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -110,10 +112,15 @@ class WorkerService(Service):
         if self.coordinator is None:
             self.coordinator = make_coordinator(self.config.etcd, self.config.job)
         self.coordinator.watch_members(self._on_trainer, role="trainer")
+        extra = {"engine": type(self.engine).__name__}
+        self._last_load = self.engine.load()
+        if self.config.metrics.port is not None:
+            self.metrics = MetricsServer("worker", self.config.job, self.worker_id, self._metrics)
+            extra["metrics"] = self.metrics.start(self.config.metrics.host,
+                                                  self.config.metrics.port)
         self.coordinator.register(MemberRecord(
             member_id=self.worker_id, role="worker", package_version=__version__,
-            capacity=self.engine.load().max_batch,
-            extra={"engine": type(self.engine).__name__},
+            capacity=self.engine.load().max_batch, extra=extra,
         ))
         self._connect_manager()
         self.spawn(self._loop, "loop")
@@ -146,6 +153,29 @@ class WorkerService(Service):
     def _on_trainer(self, event: MembershipEvent) -> None:
         self._events.put(("trainer", event))
 
+    def _metrics(self) -> list[Metric]:
+        c, load = self.counters, self._last_load
+        return [
+            Metric("trajectories_total", "counter", "trajectories finished and pushed",
+                   c["finished"]),
+            Metric("rejected_total", "counter", "prompts refused (e.g. too long)", c["rejected"]),
+            Metric("reward_errors_total", "counter", "reward function failures",
+                   c["reward_errors"]),
+            Metric("exported_total", "counter", "trajectories handed back by repack",
+                   c["exported"]),
+            Metric("weight_loads_total", "counter", "weight versions loaded", c["weight_loads"]),
+            Metric("weight_version", "gauge", "policy version of the engine",
+                   self.engine.weight_version),
+            Metric("weight_wait_seconds_total", "counter", "time spent fetching + loading weights",
+                   self.weight_wait_s),
+            Metric("busy_seconds_total", "counter", "time spent in engine steps", self.busy_s),
+            Metric("active_sequences", "gauge", "sequences being decoded", load.active),
+            Metric("queued_sequences", "gauge", "sequences waiting for a slot", load.queued),
+            Metric("kv_used_tokens", "gauge", "KV-cache tokens in use", load.kv_used_tokens),
+            Metric("outbox_trajectories", "gauge", "pushed but not yet durably acked",
+                   len(self.outbox)),
+        ]
+
     def stats(self) -> dict:
         uptime = time.time() - self._t_start
         return {"worker_id": self.worker_id, "uptime_s": uptime, "busy_s": self.busy_s,
@@ -160,6 +190,8 @@ class WorkerService(Service):
 
             with open(self.config.stats_path, "w") as fh:
                 json.dump(self.stats(), fh)
+        if self.metrics is not None:
+            self.metrics.stop()
         if self.coordinator is not None:
             self.coordinator.close()
         for sock in (self.manager, self.trainer):
@@ -351,7 +383,7 @@ class WorkerService(Service):
         if not force and now - self._last_report < self.config.report_interval_s:
             return
         self._last_report = now
-        load = self.engine.load()
+        load = self._last_load = self.engine.load()
         full = len(self.outbox) >= self.config.outbox_capacity
         self.manager.send(WorkerReport(
             worker_id=self.worker_id, policy_version=self.engine.weight_version,

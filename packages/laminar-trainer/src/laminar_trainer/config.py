@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig
+from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig, MetricsConfig
 
 __all__ = ["TrainerConfig", "BufferConfig", "LossConfig", "OptimConfig", "CheckpointConfig",
            "EvalConfig", "SimulateConfig"]
@@ -134,6 +134,8 @@ class TrainerConfig(LaminarModel):
     """Seed of torch."""
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus /metrics endpoint (off unless metrics.port is set)."""
     etcd: EtcdConfig = EtcdConfig()
     """etcd connection and lease."""
     logging: LoggingConfig = LoggingConfig()

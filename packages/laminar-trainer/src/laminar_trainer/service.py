@@ -35,6 +35,7 @@ from laminar_common.codec import Ack, Trajectory
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord
+from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
 from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
 
@@ -78,6 +79,8 @@ class TrainerService(Service):
             downweight=config.buffer.downweight)
         self.receiver: ZmqPullReceiver | None = None
         self.publisher: WeightPublisher | None = None
+        self.metrics: MetricsServer | None = None
+        self._last_metrics: dict = {}
         self._acker: ZmqPushSender | None = None
         self._unacked: list[str] = []
         self._tokens_consumed = 0
@@ -113,15 +116,51 @@ class TrainerService(Service):
             self.version = max(self.version, published) + 1
         self._publish(initial=True)
         self.receiver = ZmqPullReceiver(cfg.listen, expect=Trajectory)
+        extra = {"step": str(self.step)}
+        if cfg.metrics.port is not None:
+            self.metrics = MetricsServer("trainer", cfg.job, cfg.trainer_id, self._metrics)
+            extra["metrics"] = self.metrics.start(cfg.metrics.host, cfg.metrics.port)
         self.coordinator.register(MemberRecord(
             member_id=cfg.trainer_id, role="trainer", address=self.receiver.endpoint,
-            package_version=__version__, extra={"step": str(self.step)}))
+            package_version=__version__, extra=extra))
         print(f"TRAINER READY {self.receiver.endpoint} step={self.step} v{self.version}",
               flush=True)
         self.spawn(self._receive_loop, "receive")
         self.spawn(self._train_loop, "train")
 
+    def _metrics(self) -> list[Metric]:
+        b, pub, last = self.buffer.stats, self.publisher.stats, self._last_metrics
+        return [
+            Metric("steps_total", "counter", "optimizer steps", self.step),
+            Metric("weight_version", "gauge", "version of the trainer's weights", self.version),
+            Metric("tokens_consumed_total", "counter", "trajectory tokens trained on",
+                   self._tokens_consumed),
+            Metric("tokens_per_second", "gauge", "tokens consumed per second since the first step",
+                   last.get("tokens_per_s", 0.0)),
+            Metric("reward_mean", "gauge", "mean reward of the last step",
+                   last.get("reward_mean", 0.0)),
+            Metric("loss", "gauge", "loss of the last step", last.get("loss", 0.0)),
+            Metric("buffer_trajectories", "gauge", "trajectories buffered", len(self.buffer)),
+            Metric("buffer_received_total", "counter", "trajectories received", b.received),
+            Metric("buffer_refused_total", "counter", "trajectories refused", labels=("reason",),
+                   values={("duplicate",): b.duplicates, ("consumed",): b.already_consumed,
+                           ("full",): b.dropped_full, ("stale",): b.dropped_stale}),
+            Metric("staleness_trajectories", "gauge", "consumed trajectories by staleness",
+                   labels=("versions",),
+                   values={(str(k),): v for k, v in sorted(b.staleness.items())}),
+            Metric("publishes_total", "counter", "weight versions handed to the relay",
+                   pub.published),
+            Metric("publish_stall_seconds", "gauge", "stall of the last publish",
+                   pub.stall_s[-1] if pub.stall_s else 0.0),
+            Metric("rejected_frames_total", "counter", "frames refused by the trajectory socket",
+                   labels=("reason",),
+                   values={(k,): v for k, v in self.receiver.stats.rejected.items()}
+                   if self.receiver else {}),
+        ]
+
     def _close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
         if self.publisher is not None:
             self.publisher.close()
         if self.coordinator is not None:
@@ -259,6 +298,7 @@ class TrainerService(Service):
                 and self.model is not None:
             metrics["eval_accuracy"] = self._evaluate()
         self._write_metrics(metrics)
+        self._last_metrics = metrics
         self._put_status(metrics)
         log.info("step %d v%d loss %.4f reward %.3f staleness %.2f tokens/s %.1f stall %.3fs",
                  self.step, self.version, result.loss, result.reward_mean,
