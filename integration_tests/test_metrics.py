@@ -1,7 +1,9 @@
-"""Issue 8: each tier serves Prometheus metrics during a run (scraped over loopback)."""
+"""Issue 8: each tier serves Prometheus metrics during a run (scraped over loopback),
+and fuzzed frames sent to a running stack are refused, counted, and harmless."""
 
 from __future__ import annotations
 
+import random
 import re
 import sys
 import urllib.request
@@ -10,8 +12,10 @@ from pathlib import Path
 import yaml
 
 from conftest import wait_until
+from laminar_common import codec
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.processes import ChildProcess
+from laminar_common.transport import ZmqPushSender
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,6 +70,28 @@ def test_every_tier_serves_metrics_during_a_run(tmp_path):
         assert _value(scraped["manager"], "laminar_manager_workers") == 2
         assert _value(scraped["worker-1"], "laminar_worker_weight_version") >= 0
         assert _value(scraped["relay-0"], "laminar_relay_is_master") == 1
+
+        # Hostile input: fuzzed frames at the trainer's trajectory socket and the
+        # manager's ack socket are refused and counted; training goes on.
+        rng = random.Random(7)
+        good = codec.encode(codec.Ack(trajectory_ids=("x",), trainer_step=0, trainer_version=0))
+        for target in (members["trainer"].address, members["manager"].extra["ack"]):
+            sender = ZmqPushSender(target)
+            for _ in range(100):
+                frame = bytearray(good)
+                frame[rng.randrange(len(frame))] = rng.randrange(256)
+                sender.send_frame(bytes(frame[: rng.randrange(1, len(frame) + 1)]))
+            sender.send_frame(b"\x00" * 10)
+            sender.close()
+        steps_before = _value(_scrape(urls["trainer"]), "laminar_trainer_steps_total")
+
+        def refused_and_training():
+            t = _scrape(urls["trainer"])
+            return (_value(t, "laminar_trainer_rejected_frames_total") > 0
+                    and _value(t, "laminar_trainer_steps_total") >= steps_before + 3)
+
+        assert wait_until(refused_and_training, 30)
+        assert all(m in coord.members() for m in urls), "a tier died from fuzzed frames"
         coord.close()
     finally:
         up.stop(grace_s=30)
