@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--seed", type=int, default=0, help="seed")
     pr.add_argument("--out", required=True, help="output .jsonl path")
 
+    k = sub.add_parser("keys", help="create CURVE keys and TLS certificates for a job")
+    k.add_argument("--out", required=True, help="output directory (auth.dir of every tier)")
+
     s = sub.add_parser("status", help="show a job's members and latest weight version")
     s.add_argument("--etcd", default="127.0.0.1:2379", help="etcd endpoint host:port")
     s.add_argument("--job", required=True, help="job name")
@@ -79,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_report(args)
         if args.cmd == "prompts":
             return _cmd_prompts(args)
+        if args.cmd == "keys":
+            from .auth import create_keys
+
+            out = create_keys(args.out)
+            print(f"wrote CURVE keys and TLS certificates to {out}; set auth.dir={out} "
+                  "in every tier's config")
+            return 0
         if args.cmd == "status":
             setup_logging("WARNING")
             return _cmd_status(args)

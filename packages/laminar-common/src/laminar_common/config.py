@@ -27,6 +27,7 @@ __all__ = [
     "EtcdConfig",
     "LoggingConfig",
     "MetricsConfig",
+    "AuthConfig",
     "load_config",
     "read_config_file",
     "apply_override",
@@ -67,6 +68,24 @@ class MetricsConfig(LaminarModel):
     """Port of /metrics (0: any free port, advertised in etcd); unset: no endpoint."""
     host: str = "127.0.0.1"
     """Interface /metrics listens on."""
+
+
+class AuthConfig(LaminarModel):
+    """Authentication of every channel (off for local runs)."""
+
+    dir: str | None = None
+    """Directory written by `laminar keys`: when set, ZeroMQ sockets use CURVE (only
+    authorized client keys connect) and the relay's gRPC uses TLS."""
+    mutual_tls: bool = False
+    """gRPC: also require client certificates (mTLS)."""
+
+    def curve(self):
+        """The job's CURVE keys, or None when authentication is off."""
+        if self.dir is None:
+            return None
+        from .auth import CurveAuth
+
+        return CurveAuth.from_dir(self.dir)
 
 
 class LoggingConfig(LaminarModel):

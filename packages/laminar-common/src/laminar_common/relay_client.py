@@ -47,6 +47,7 @@ from typing import Any
 
 import grpc
 
+from .auth import TlsFiles, grpc_channel
 from .codec import ChunkSpec, WeightManifest
 from .dataplane import ChunkSender, make_chunk_sender
 from .errors import (
@@ -217,6 +218,7 @@ class RelayClient:
         send_timeout_s: a chunk the master does not take within this fails the
             attempt (how long a publish notices a master that died mid-send).
         use_shared_memory: map a same-host relay's memory instead of streaming.
+        tls: CA (and client certificate for mutual TLS) to reach relays over TLS.
     """
 
     def __init__(
@@ -236,6 +238,7 @@ class RelayClient:
         send_hwm: int = 8,
         send_timeout_s: float = 10.0,
         use_shared_memory: bool = True,
+        tls: TlsFiles | None = None,
     ) -> None:
         if (coordinator is None) == (address is None):
             raise ValueError("give exactly one of coordinator or address")
@@ -254,6 +257,7 @@ class RelayClient:
         self.send_hwm = send_hwm
         self.send_timeout_s = send_timeout_s
         self.use_shared_memory = use_shared_memory
+        self.tls = tls
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
@@ -271,7 +275,7 @@ class RelayClient:
                 raise TransportError("RelayClient is closed")
             entry = self._channels.get(address)
             if entry is None:
-                channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+                channel = grpc_channel(address, self.tls, _GRPC_OPTIONS)
                 entry = (channel, relay_pb2_grpc.RelayStub(channel))
                 self._channels[address] = entry
             return entry[1]

@@ -16,6 +16,10 @@ reason, logged with the peer, and never crash the receiver. Every socket has
 explicit high-water marks; a send that cannot be queued within its timeout
 raises :class:`TransportError` (backpressure is visible, never silent).
 
+Authentication: pass ``auth`` (a :class:`~laminar_common.auth.CurveAuth`) and
+a binding socket becomes a CURVE server that admits only authorized client
+keys; a connecting socket becomes a CURVE client. Off when ``auth`` is None.
+
 Sockets are not thread-safe: each object belongs to the thread that uses it.
 """
 
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from . import codec
+from .auth import CurveAuth
 from .codec import Hello, Message, Refused, Welcome
 from .errors import ProtocolError, TransportError
 
@@ -284,11 +289,14 @@ def _send(sock: zmq.Socket, parts: list[bytes], timeout_ms: int, where: str) -> 
 class ZmqPushSender(PushSender):
     """PUSH socket connected to a :class:`ZmqPullReceiver`."""
 
-    def __init__(self, endpoint: str, hwm: int = 1000, send_timeout_s: float = 30.0) -> None:
+    def __init__(self, endpoint: str, hwm: int = 1000, send_timeout_s: float = 30.0,
+                 auth: CurveAuth | None = None) -> None:
         self.endpoint = endpoint
         self.stats = TransportStats()
         self._timeout_ms = int(send_timeout_s * 1000)
         self._sock = _socket(zmq.PUSH, hwm)
+        if auth is not None:
+            auth.apply_client(self._sock)
         _connect(self._sock, endpoint)
 
     def send(self, msg: Message) -> None:
@@ -309,11 +317,14 @@ class ZmqPullReceiver(PullReceiver):
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:0", hwm: int = 1000,
                  max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
-                 expect: type | tuple[type, ...] | None = None) -> None:
+                 expect: type | tuple[type, ...] | None = None,
+                 auth: CurveAuth | None = None) -> None:
         self.stats = TransportStats()
         self.max_frame_bytes = max_frame_bytes
         self._expect = expect
         self._sock = _socket(zmq.PULL, hwm, max_frame_bytes)
+        if auth is not None:
+            auth.apply_server(self._sock)
         self.endpoint = _bind(self._sock, endpoint)
         self._rejector = _Rejector(self.stats, f"pull {self.endpoint}")
 
@@ -347,9 +358,11 @@ class ZmqServer(Server):
     def __init__(self, endpoint: str = "tcp://127.0.0.1:0", member_id: str = "server",
                  hwm: int = 1000, max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
                  accept: Callable[[Hello], str | None] = default_accept,
-                 send_timeout_s: float = 10.0) -> None:
+                 send_timeout_s: float = 10.0, auth: CurveAuth | None = None) -> None:
         self._sock = _socket(zmq.ROUTER, hwm, max_frame_bytes)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if auth is not None:
+            auth.apply_server(self._sock)
         self.endpoint = _bind(self._sock, endpoint)
         self._core = _ServerCore(f"server {self.endpoint}", member_id, max_frame_bytes, accept)
         self.stats = self._core.stats
@@ -401,7 +414,7 @@ class ZmqClient(Client):
 
     def __init__(self, endpoint: str, hello: Hello, hwm: int = 1000,
                  max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
-                 send_timeout_s: float = 10.0) -> None:
+                 send_timeout_s: float = 10.0, auth: CurveAuth | None = None) -> None:
         self.endpoint = endpoint
         self.hello = hello
         self.stats = TransportStats()
@@ -410,6 +423,8 @@ class ZmqClient(Client):
         self._timeout_ms = int(send_timeout_s * 1000)
         self._sock = _socket(zmq.DEALER, hwm, max_frame_bytes)
         self._sock.setsockopt(zmq.IDENTITY, hello.member_id.encode())
+        if auth is not None:
+            auth.apply_client(self._sock)
         _connect(self._sock, endpoint)
 
     def connect(self, timeout_s: float = 10.0) -> Welcome:

@@ -14,7 +14,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig, MetricsConfig
+from laminar_common.config import (
+    AuthConfig,
+    EtcdConfig,
+    LaminarModel,
+    LoggingConfig,
+    MetricsConfig,
+)
 from laminar_common.keys import validate_name
 from laminar_common.weights import MAX_CHUNK_BYTES
 
@@ -111,6 +117,8 @@ class RelayConfig(LaminarModel):
     etcd: EtcdConfig = EtcdConfig()
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus /metrics endpoint (off unless metrics.port is set)."""
+    auth: AuthConfig = AuthConfig()
+    """TLS on the gRPC control API (and between relays); off unless auth.dir is set."""
     logging: LoggingConfig = LoggingConfig()
 
     @field_validator("job")

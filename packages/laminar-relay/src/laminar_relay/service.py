@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from laminar_common.auth import TlsFiles, grpc_channel, grpc_server_credentials
 from laminar_common.codec import PROTOCOL_VERSION, WeightManifest
 from laminar_common.dataplane import ChunkFrame, ZmqChunkReceiver
 from laminar_common.errors import (
@@ -131,8 +132,14 @@ class RelayService(Service):
         rpc_timeout_s: float = 10.0,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        tls_server: TlsFiles | None = None,
+        tls_client: TlsFiles | None = None,
+        mutual_tls: bool = False,
     ) -> None:
         super().__init__()
+        self._tls_server = tls_server
+        self._tls_client = tls_client
+        self._mutual_tls = mutual_tls
         self.member_id = member_id
         self._metrics_port = metrics_port
         self._metrics_host = metrics_host
@@ -220,7 +227,10 @@ class RelayService(Service):
         )
         relay_pb2_grpc.add_RelayServicer_to_server(self.servicer, self._server)
         try:
-            port = self._server.add_insecure_port(f"{self.bind_host}:{self._grpc_port}")
+            where = f"{self.bind_host}:{self._grpc_port}"
+            port = self._server.add_secure_port(
+                where, grpc_server_credentials(self._tls_server, self._mutual_tls)
+            ) if self._tls_server is not None else self._server.add_insecure_port(where)
         except RuntimeError as exc:
             raise TransportError(
                 f"cannot bind the relay gRPC server on {self.bind_host}:{self._grpc_port}: {exc}"
@@ -357,7 +367,7 @@ class RelayService(Service):
         with self._channels_lock:
             entry = self._channels.get(address)
             if entry is None:
-                channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS[:2])
+                channel = grpc_channel(address, self._tls_client, _GRPC_OPTIONS[:2])
                 entry = (channel, relay_pb2_grpc.RelayStub(channel))
                 self._channels[address] = entry
             return entry[1]
@@ -495,4 +505,7 @@ def make_relay_service(config: RelayConfig, coordinator: Coordinator | None = No
         control_interval_s=config.chain.control_interval_s or max(0.2, config.etcd.ttl_s / 3),
         metrics_port=config.metrics.port,
         metrics_host=config.metrics.host,
+        tls_server=TlsFiles.server_from_dir(config.auth.dir) if config.auth.dir else None,
+        tls_client=TlsFiles.client_from_dir(config.auth.dir) if config.auth.dir else None,
+        mutual_tls=config.auth.mutual_tls,
     )

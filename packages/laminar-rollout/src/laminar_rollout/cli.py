@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def make_worker_service(config):
     """Build a :class:`WorkerService` (engine, tokenizer, relay fetcher) from its config."""
+    from laminar_common.auth import TlsFiles
     from laminar_common.etcd import make_coordinator
     from laminar_common.relay_client import RelayClient
 
@@ -60,10 +61,11 @@ def make_worker_service(config):
                              gpu_memory_utilization=eng.gpu_memory_utilization,
                              context_length=eng.context_length, seed=eng.seed)
     coordinator = make_coordinator(config.etcd, config.job)
+    tls = TlsFiles.client_from_dir(config.auth.dir) if config.auth.dir else None
     if config.relay is not None:
-        client = RelayClient(address=config.relay, client_id=config.worker_id)
+        client = RelayClient(address=config.relay, client_id=config.worker_id, tls=tls)
     else:
-        client = RelayClient(coordinator, client_id=config.worker_id)
+        client = RelayClient(coordinator, client_id=config.worker_id, tls=tls)
     fetcher = make_relay_fetcher(client, with_tensors=eng.type != "simulated",
                                  wait_s=config.fetch_timeout_s)
     return WorkerService(config, engine, make_tokenizer(eng), fetcher, coordinator=coordinator)

@@ -12,7 +12,13 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig, MetricsConfig
+from laminar_common.config import (
+    AuthConfig,
+    EtcdConfig,
+    LaminarModel,
+    LoggingConfig,
+    MetricsConfig,
+)
 
 __all__ = [
     "TorchEngineConfig",
@@ -130,6 +136,8 @@ class WorkerConfig(LaminarModel):
     """Write counters, busy/weight-wait time and a busy/idle/weights timeline here on exit."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus /metrics endpoint (off unless metrics.port is set)."""
+    auth: AuthConfig = AuthConfig()
+    """Authentication (CURVE on ZeroMQ, TLS to relays); off unless auth.dir is set."""
     etcd: EtcdConfig = EtcdConfig()
     """etcd connection and lease."""
     logging: LoggingConfig = LoggingConfig()
@@ -185,6 +193,8 @@ class ManagerConfig(LaminarModel):
     """Dynamic repack."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus /metrics endpoint (off unless metrics.port is set)."""
+    auth: AuthConfig = AuthConfig()
+    """Authentication (CURVE on ZeroMQ, TLS to relays); off unless auth.dir is set."""
     etcd: EtcdConfig = EtcdConfig()
     """etcd connection and lease."""
     logging: LoggingConfig = LoggingConfig()

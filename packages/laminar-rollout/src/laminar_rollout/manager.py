@@ -100,8 +100,9 @@ class ManagerService(Service):
     # -- lifecycle --------------------------------------------------------------
 
     def _start(self) -> None:
-        self.server = ZmqServer(self.config.listen, member_id=self.config.manager_id)
-        self.acks = ZmqPullReceiver(self.config.ack_listen, expect=codec.Ack)
+        curve = self.config.auth.curve()
+        self.server = ZmqServer(self.config.listen, member_id=self.config.manager_id, auth=curve)
+        self.acks = ZmqPullReceiver(self.config.ack_listen, expect=codec.Ack, auth=curve)
         if self.coordinator is None:
             self.coordinator = make_coordinator(self.config.etcd, self.config.job)
         self.coordinator.watch_members(self._on_member, role="worker")

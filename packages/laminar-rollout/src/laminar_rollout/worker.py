@@ -90,6 +90,7 @@ class WorkerService(Service):
         self.coordinator = coordinator
         self.manager: ZmqClient | None = None
         self.metrics: MetricsServer | None = None
+        self._curve = config.auth.curve()
         self.trainer: ZmqPushSender | None = None
         self._trainer_addr: str | None = None
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -135,7 +136,7 @@ class WorkerService(Service):
                                     protocol_version=codec.PROTOCOL_VERSION,
                                     package_version=__version__,
                                     capacity=self.engine.load().max_batch)
-                client = ZmqClient(rec.address, hello)
+                client = ZmqClient(rec.address, hello, auth=self._curve)
                 try:
                     client.connect(timeout_s=10)
                 except TransportError:
@@ -251,7 +252,7 @@ class WorkerService(Service):
             return
         if self.trainer is not None:
             self.trainer.close(linger_s=0)
-        self.trainer = ZmqPushSender(address, send_timeout_s=5)
+        self.trainer = ZmqPushSender(address, send_timeout_s=5, auth=self._curve)
         self._trainer_addr = address
         log.info("trainer at %s; re-sending %d unacked trajectories", address, len(self.outbox))
         for traj in list(self.outbox.values()):

@@ -7,7 +7,13 @@ from typing import Literal
 
 from pydantic import Field
 
-from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig, MetricsConfig
+from laminar_common.config import (
+    AuthConfig,
+    EtcdConfig,
+    LaminarModel,
+    LoggingConfig,
+    MetricsConfig,
+)
 
 __all__ = ["TrainerConfig", "BufferConfig", "LossConfig", "OptimConfig", "CheckpointConfig",
            "EvalConfig", "SimulateConfig"]
@@ -136,6 +142,8 @@ class TrainerConfig(LaminarModel):
     """torch intra-op threads."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus /metrics endpoint (off unless metrics.port is set)."""
+    auth: AuthConfig = AuthConfig()
+    """Authentication (CURVE on ZeroMQ, TLS to relays); off unless auth.dir is set."""
     etcd: EtcdConfig = EtcdConfig()
     """etcd connection and lease."""
     logging: LoggingConfig = LoggingConfig()

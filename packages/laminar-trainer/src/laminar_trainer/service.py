@@ -80,6 +80,7 @@ class TrainerService(Service):
         self.receiver: ZmqPullReceiver | None = None
         self.publisher: WeightPublisher | None = None
         self.metrics: MetricsServer | None = None
+        self._curve = config.auth.curve()
         self._last_metrics: dict = {}
         self._acker: ZmqPushSender | None = None
         self._unacked: list[str] = []
@@ -101,9 +102,11 @@ class TrainerService(Service):
         if self.coordinator is None:
             self.coordinator = make_coordinator(cfg.etcd, cfg.job)
         if self.publish_fn is None:
+            from laminar_common.auth import TlsFiles
             from laminar_common.relay_client import RelayClient
 
-            client = RelayClient(self.coordinator, client_id=cfg.trainer_id)
+            tls = TlsFiles.client_from_dir(cfg.auth.dir) if cfg.auth.dir else None
+            client = RelayClient(self.coordinator, client_id=cfg.trainer_id, tls=tls)
             self.publish_fn = lambda version, tensors, step: client.publish(
                 version, tensors, trainer_step=step)
         self.publisher = WeightPublisher(self.publish_fn)
@@ -115,7 +118,7 @@ class TrainerService(Service):
             # versions only move forward, and workers must leave rolled-back weights.
             self.version = max(self.version, published) + 1
         self._publish(initial=True)
-        self.receiver = ZmqPullReceiver(cfg.listen, expect=Trajectory)
+        self.receiver = ZmqPullReceiver(cfg.listen, expect=Trajectory, auth=self._curve)
         extra = {"step": str(self.step)}
         if cfg.metrics.port is not None:
             self.metrics = MetricsServer("trainer", cfg.job, cfg.trainer_id, self._metrics)
@@ -340,7 +343,7 @@ class TrainerService(Service):
                 log.warning("no manager registered: %d acks wait", len(self._unacked))
                 return
             rec = sorted(managers.values(), key=lambda r: r.member_id)[0]
-            self._acker = ZmqPushSender(rec.extra["ack"], send_timeout_s=10)
+            self._acker = ZmqPushSender(rec.extra["ack"], send_timeout_s=10, auth=self._curve)
         try:
             self._acker.send(Ack(trajectory_ids=tuple(self._unacked), trainer_step=self.step,
                                  trainer_version=self.version))

@@ -1,0 +1,210 @@
+"""Authentication material and its application to sockets and channels.
+
+ZeroMQ: CURVE. ``laminar keys --out DIR`` writes a job-wide server keypair
+(``server.key`` / ``server.key_secret``), a client keypair (``client.key`` /
+``client.key_secret``) and ``authorized/`` holding the public keys allowed to
+connect. Binding sockets act as CURVE servers and check every client key
+against ``authorized/`` through one ZAP handler per process; a peer whose key
+is not there is refused, logged at WARNING with its key, and counted in
+:data:`REFUSED`. A peer without the server's public key cannot even complete
+the handshake.
+
+gRPC (relay control plane): TLS with a CA written by ``laminar keys``
+(``ca.pem``, ``server.pem`` / ``server-key.pem`` for 127.0.0.1 and
+localhost, ``client.pem`` / ``client-key.pem`` for mutual TLS).
+
+Off by default (local runs); one config switch (``auth.dir``) turns it on.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import ipaddress
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from .errors import ConfigError
+
+__all__ = ["CurveAuth", "TlsFiles", "create_keys", "grpc_channel", "grpc_server_credentials",
+           "REFUSED"]
+
+log = logging.getLogger(__name__)
+
+REFUSED: collections.Counter[str] = collections.Counter()
+"""CURVE client keys refused by this process's ZAP handler (z85 text -> count)."""
+
+_auth_lock = threading.Lock()
+_authenticator: ThreadAuthenticator | None = None
+_allowed: set[bytes] = set()
+
+
+class _KeyCheck:
+    """ZAP credentials provider: allow only authorized client keys."""
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        z85 = zmq.utils.z85.encode(key) if len(key) == 32 else key
+        if z85 in _allowed:
+            return True
+        text = z85.decode(errors="replace")
+        REFUSED[text] += 1
+        log.warning("refused a ZeroMQ peer: CURVE key %s is not authorized (domain %r)",
+                    text, domain)
+        return False
+
+
+def _ensure_authenticator(authorized: set[bytes]) -> None:
+    global _authenticator
+    with _auth_lock:
+        _allowed.update(authorized)
+        if _authenticator is None:
+            auth = ThreadAuthenticator(zmq.Context.instance())
+            auth.start()
+            auth.configure_curve_callback(domain="*", credentials_provider=_KeyCheck())
+            _authenticator = auth
+
+
+@dataclass(frozen=True)
+class CurveAuth:
+    """CURVE keys of one job (z85-encoded, as pyzmq uses them)."""
+
+    server_public: bytes
+    server_secret: bytes | None
+    client_public: bytes
+    client_secret: bytes
+    authorized: frozenset[bytes]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> CurveAuth:
+        d = Path(path)
+        try:
+            server_public, server_secret = zmq.auth.load_certificate(str(d / "server.key_secret")) \
+                if (d / "server.key_secret").is_file() else \
+                (zmq.auth.load_certificate(str(d / "server.key"))[0], None)
+            client_public, client_secret = zmq.auth.load_certificate(str(d / "client.key_secret"))
+            authorized = frozenset(zmq.auth.load_certificates(str(d / "authorized")).keys())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"auth.dir {str(d)!r}: cannot load CURVE keys ({exc}); "
+                              "create them with `laminar keys --out DIR`") from exc
+        if client_secret is None:
+            raise ConfigError(f"auth.dir {str(d)!r}: client.key_secret holds no secret key")
+        return cls(server_public, server_secret, client_public, client_secret, authorized)
+
+    def apply_server(self, sock: zmq.Socket) -> None:
+        """Make a binding socket a CURVE server that checks client keys."""
+        if self.server_secret is None:
+            raise ConfigError("auth: this process binds a socket but has no server.key_secret")
+        _ensure_authenticator(set(self.authorized))
+        sock.curve_secretkey = self.server_secret
+        sock.curve_publickey = self.server_public
+        sock.curve_server = True
+
+    def apply_client(self, sock: zmq.Socket) -> None:
+        """Make a connecting socket a CURVE client of the job's server key."""
+        sock.curve_secretkey = self.client_secret
+        sock.curve_publickey = self.client_public
+        sock.curve_serverkey = self.server_public
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """TLS material for gRPC (PEM bytes)."""
+
+    ca: bytes
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    @classmethod
+    def server_from_dir(cls, path: str | Path) -> TlsFiles:
+        d = Path(path)
+        return cls(_read(d / "ca.pem"), _read(d / "server.pem"), _read(d / "server-key.pem"))
+
+    @classmethod
+    def client_from_dir(cls, path: str | Path) -> TlsFiles:
+        d = Path(path)
+        cert = d / "client.pem"
+        return cls(_read(d / "ca.pem"), _read(cert) if cert.is_file() else None,
+                   _read(d / "client-key.pem") if cert.is_file() else None)
+
+
+def grpc_server_credentials(tls: TlsFiles, mutual: bool = False):
+    """Server credentials for ``add_secure_port`` (client certs required when ``mutual``)."""
+    import grpc
+
+    return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                       require_client_auth=mutual)
+
+
+def grpc_channel(address: str, tls: TlsFiles | None, options=()):
+    """A gRPC channel: TLS (with a client certificate if ``tls`` has one) or insecure."""
+    import grpc
+
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                         certificate_chain=tls.cert)
+    return grpc.secure_channel(address, creds, options=list(options))
+
+
+def _read(p: Path) -> bytes:
+    try:
+        return p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"auth: cannot read {p}: {exc}") from exc
+
+
+def create_keys(out: str | Path) -> Path:
+    """Write CURVE keypairs and a TLS CA + server/client certificates into ``out``."""
+    d = Path(out)
+    (d / "authorized").mkdir(parents=True, exist_ok=True)
+    for name in ("server", "client"):
+        if not (d / f"{name}.key_secret").is_file():
+            zmq.auth.create_certificates(str(d), name)
+    (d / "authorized" / "client.key").write_bytes((d / "client.key").read_bytes())
+    _create_tls(d)
+    return d
+
+
+def _create_tls(d: Path) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    if (d / "ca.pem").is_file():
+        return
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def pem_key(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "laminar-ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=365))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    for name in ("server", "client"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                               f"laminar-{name}")]))
+                   .issuer_name(ca_name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=365)))
+        if name == "server":
+            builder = builder.add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+        cert = builder.sign(ca_key, hashes.SHA256())
+        (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (d / f"{name}-key.pem").write_bytes(pem_key(key))
