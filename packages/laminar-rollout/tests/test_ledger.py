@@ -114,3 +114,48 @@ def test_batches():
     led.take_pending("w", 0, 1)
     led.mark_done("a#0", "w")
     assert led.batch_done(0) and not led.batch_done(1)
+
+
+def test_indexes_agree_with_a_full_scan_under_random_operations():
+    import random
+
+    from laminar_common.codec import PromptTask
+
+    rng = random.Random(3)
+    led = TrajectoryLedger()
+    for b in range(6):
+        led.add_group(PromptRecord(f"b{b}", "x", {}), 4, SAMPLING, batch=b)
+    workers = ["w0", "w1", "w2"]
+    for _ in range(400):
+        op = rng.randrange(6)
+        w = rng.choice(workers)
+        tid = rng.choice(list(led.entries))
+        if op == 0:
+            led.take_pending(w, version=rng.randrange(2), limit=rng.randrange(4))
+        elif op == 1:
+            led.record_partial(tid, w, 0, (1, 2), (-0.1, -0.2))
+            led.mark_done(tid, w)
+        elif op == 2:
+            led.mark_acked(tid)
+        elif op == 3:
+            led.worker_lost(w)
+        elif op == 4 and led.entries[tid].state == DISPATCHED:
+            e = led.entries[tid]
+            led.requeue_exported(PromptTask(trajectory_id=tid, prompt_id=e.task.prompt_id,
+                                            group_size=4, sample_index=0, prompt="x",
+                                            resume_token_ids=(5,), resume_logprobs=(-1.0,),
+                                            policy_version=0), e.worker)
+        else:
+            led.restart_unresumable({rng.randrange(2)})
+        for worker in workers:
+            scan = sorted(t for t, e in led.entries.items()
+                          if e.worker == worker and e.state == DISPATCHED)
+            assert led.held_by(worker) == scan and led.assigned(worker) == len(scan)
+        for b in range(6):
+            scan = all(e.state not in (PENDING, DISPATCHED) for e in led.entries.values()
+                       if e.task.metadata["batch"] == str(b))
+            assert led.batch_done(b) == scan
+        scan = sorted((t, e.partial_version) for t, e in led.entries.items()
+                      if e.state == PENDING and e.partial_tokens)
+        assert led.pending_resumable() == scan
+        assert sum(led.counts().values()) == 24

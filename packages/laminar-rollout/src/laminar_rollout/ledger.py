@@ -70,6 +70,12 @@ class TrajectoryLedger:
         self.entries: dict[str, Entry] = {}
         self._pending: collections.deque[str] = collections.deque()
         self.counters = LedgerCounters()
+        # Indexes kept in step with every state change, so per-loop queries are
+        # O(what they return), not O(all trajectories ever created).
+        self._held: dict[str, set[str]] = collections.defaultdict(set)
+        self._done_by: dict[str, set[str]] = collections.defaultdict(set)
+        self._open_in_batch: collections.Counter[str] = collections.Counter()
+        self._resumable: set[str] = set()
 
     # -- creation -------------------------------------------------------------
 
@@ -89,6 +95,8 @@ class TrajectoryLedger:
                               metadata=meta, sampling=sampling)
             self.entries[tid] = Entry(task)
             self.counters.by_state[PENDING] += 1
+            if batch >= 0:
+                self._open_in_batch[str(batch)] += 1
             self._pending.append(tid)
             ids.append(tid)
         return ids
@@ -96,8 +104,17 @@ class TrajectoryLedger:
     # -- transitions ----------------------------------------------------------
 
     def _move(self, entry: Entry, state: str) -> None:
-        self.counters.by_state[entry.state] -= 1
+        old = entry.state
+        tid = entry.task.trajectory_id
+        self.counters.by_state[old] -= 1
         self.counters.by_state[state] += 1
+        if old == DISPATCHED:
+            self._held[entry.worker].discard(tid)
+        if old == DONE:
+            self._done_by[entry.worker].discard(tid)
+        batch = entry.task.metadata.get("batch")
+        if batch is not None and (old in (PENDING, DISPATCHED)) != (state in (PENDING, DISPATCHED)):
+            self._open_in_batch[batch] += -1 if old in (PENDING, DISPATCHED) else 1
         entry.state = state
 
     def pending_count(self) -> int:
@@ -137,24 +154,25 @@ class TrajectoryLedger:
         if entry.partial_tokens:
             task = _with_resume(task, entry)
             self.counters.resumed += 1
+            self._resumable.discard(task.trajectory_id)
         self._move(entry, DISPATCHED)
         entry.worker = worker
         entry.dispatches += 1
+        self._held[worker].add(task.trajectory_id)
         return task
 
     def pending_resumable(self) -> list[tuple[str, int]]:
         """Pending trajectories that carry tokens, with the version that made them."""
-        return [(t, self.entries[t].partial_version) for t in self._pending
-                if self.entries[t].state == PENDING and self.entries[t].partial_tokens]
+        return [(t, self.entries[t].partial_version) for t in sorted(self._resumable)]
 
     def restart_unresumable(self, live_versions: set[int]) -> int:
         """Drop resume tokens of pending trajectories no live worker can continue."""
         n = 0
-        for tid in self._pending:
+        for tid in sorted(self._resumable):
             entry = self.entries[tid]
-            if entry.state == PENDING and entry.partial_tokens and \
-                    entry.partial_version not in live_versions:
+            if entry.partial_version not in live_versions:
                 _clear_partial(entry)
+                self._resumable.discard(tid)
                 self.counters.restarted += 1
                 n += 1
         return n
@@ -176,6 +194,7 @@ class TrajectoryLedger:
             self.counters.stale_reports += 1
             return False
         self._move(entry, DONE)
+        self._done_by[worker].add(tid)
         return True
 
     def mark_rejected(self, tid: str, worker: str, reason: str) -> bool:
@@ -198,6 +217,7 @@ class TrajectoryLedger:
         worker = entry.worker
         self._move(entry, ACKED)
         _clear_partial(entry)
+        self._resumable.discard(tid)
         return worker
 
     def requeue_exported(self, task: PromptTask, worker: str) -> bool:
@@ -212,6 +232,8 @@ class TrajectoryLedger:
         self._move(entry, PENDING)
         entry.worker = None
         self._pending.appendleft(task.trajectory_id)
+        if entry.partial_tokens:
+            self._resumable.add(task.trajectory_id)
         self.counters.migrated += 1
         return True
 
@@ -222,9 +244,8 @@ class TrajectoryLedger:
             (resumable ids that keep their tokens, ids to generate again).
         """
         resumable, again = [], []
-        for tid, entry in self.entries.items():
-            if entry.worker != worker or entry.state not in (DISPATCHED, DONE):
-                continue
+        for tid in sorted(self._held.pop(worker, set()) | self._done_by.pop(worker, set())):
+            entry = self.entries[tid]
             if entry.state == DONE:
                 _clear_partial(entry)
                 again.append(tid)
@@ -236,15 +257,18 @@ class TrajectoryLedger:
             entry.worker = None
         for tid in reversed(resumable + again):
             self._pending.appendleft(tid)
+        self._resumable.update(resumable)
+        self._held.pop(worker, None)
+        self._done_by.pop(worker, None)
         return resumable, again
 
     # -- queries --------------------------------------------------------------
 
     def held_by(self, worker: str) -> list[str]:
-        return [t for t, e in self.entries.items() if e.worker == worker and e.state == DISPATCHED]
+        return sorted(self._held.get(worker, ()))
 
     def assigned(self, worker: str) -> int:
-        return sum(1 for e in self.entries.values() if e.worker == worker and e.state == DISPATCHED)
+        return len(self._held.get(worker, ()))
 
     def counts(self) -> dict[str, int]:
         return {s: self.counters.by_state[s] for s in STATES}
@@ -256,9 +280,7 @@ class TrajectoryLedger:
 
     def batch_done(self, batch: int) -> bool:
         """Every trajectory of ``batch`` has finished generating (done, acked or rejected)."""
-        key = str(batch)
-        return all(e.state not in (PENDING, DISPATCHED) for e in self.entries.values()
-                   if e.task.metadata.get("batch") == key)
+        return self._open_in_batch[str(batch)] == 0
 
     # -- persistence ----------------------------------------------------------
 

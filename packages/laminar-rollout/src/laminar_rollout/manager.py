@@ -299,7 +299,8 @@ class ManagerService(Service):
             self._advance_batch()
             if self.batch < 0:
                 return
-            plan = plan_barrier(views, required_version(self.config.mode, self.batch), self.latest)
+            plan = plan_barrier(views, required_version(self.config.mode, self.batch), self.latest,
+                                remaining=self.ledger.pending_count())
         for wid, version in plan.pulls.items():
             if self._send(wid, Command(action="pull", version=version)):
                 self.workers[wid].pulling = version

@@ -68,10 +68,17 @@ def required_version(mode: str, batch: int) -> int:
     raise ValueError(f"mode {mode!r} has no batch barrier")
 
 
-def plan_barrier(workers: list[WorkerView], required: int, latest: int) -> DispatchPlan:
-    """Grants for a barrier batch that needs weights ``required`` (<= ``latest``)."""
+def plan_barrier(workers: list[WorkerView], required: int, latest: int,
+                 remaining: int | None = None) -> DispatchPlan:
+    """Grants for a barrier batch that needs weights ``required`` (<= ``latest``).
+
+    ``remaining`` (the batch's undispatched trajectories) spreads the batch
+    evenly: each worker that can run the batch gets at most its share,
+    ceil(remaining / workers), instead of the first workers taking it all.
+    """
     grants: dict[str, int] = {}
     pulls: dict[str, int] = {}
+    ready = []
     for w in workers:
         if w.pulling is not None:
             continue
@@ -79,6 +86,12 @@ def plan_barrier(workers: list[WorkerView], required: int, latest: int) -> Dispa
             if w.assigned == 0 and latest >= required:
                 pulls[w.worker_id] = required
             continue
-        if w.free > 0:
-            grants[w.worker_id] = w.free
+        ready.append(w)
+    share = None
+    if remaining is not None and (ready or pulls):
+        share = -(-remaining // (len(ready) + len(pulls)))
+    for w in ready:
+        n = w.free if share is None else min(w.free, share)
+        if n > 0:
+            grants[w.worker_id] = n
     return DispatchPlan(grants, pulls)
