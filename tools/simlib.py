@@ -214,15 +214,12 @@ class SimConfig:
             laminar pipeline fill: its first steps eat the short trajectories).
         repack: Dynamic repack in laminar mode (interval and min_sources default to
             ``RepackConfig``'s).
-        laminar_max_staleness: Simulator-side admission control in laminar mode (not in
-            ``ManagerService``), the rule of AReaL-style bounded staleness: fresh
+        laminar_max_staleness: Admission control in laminar mode, as ``ManagerService``
+            does with ``ManagerConfig.max_staleness`` (AReaL-style bounded staleness): fresh
             trajectories start only while the number started stays within
             ``(trainer_version + 1 + bound) * global batch``; ``plan_laminar``'s grants are cut
-            to that (pulls still go out). ``None`` = no bound, as ``ManagerService`` does
-            today: when rollouts outpace the trainer, its backlog and the staleness grow with
-            the length of the run.
-        barrier_even_share: Simulator-side variant of the barrier modes (not what
-            ``plan_barrier`` does): cap what a worker holds at an even share of the batch.
+            to that (pulls still go out). ``None`` = no bound: when rollouts outpace the
+            trainer, the backlog and the staleness grow with the length of the run.
         check_invariants: Compare the simulator's per-worker counts with
             ``TrajectoryLedger.assigned`` after every trainer step (slow; for tests).
     """
@@ -236,7 +233,6 @@ class SimConfig:
     repack_min_sources: int = _REPACK_DEFAULTS.min_sources
     report_interval_s: float = 0.5
     laminar_max_staleness: int | None = None
-    barrier_even_share: bool = False
     seed: int = 0
     check_invariants: bool = False
 
@@ -623,18 +619,14 @@ class _Sim:
         if self.laminar:
             plan = plan_laminar(views, self.latest)
         else:
-            plan = plan_barrier(views, required_version(self.mode, self.batch), self.latest)
+            plan = plan_barrier(views, required_version(self.mode, self.batch), self.latest,
+                                share=-(-self.bg * self.gs // len(self.workers)))
         for wid, version in plan.pulls.items():
             self.start_pull(self.by_wid[wid], version, now)
         allowed = None if self.bound is None else \
             (self.trainer_version + 1 + self.bound) * self.bg * self.gs - self.started
-        share = -(-self.bg * self.gs // len(self.workers))
         for wid, n in plan.grants.items():
             w = self.by_wid[wid]
-            if self.cfg.barrier_even_share and not self.laminar:
-                n = min(n, share - w.n - len(w.queue))
-                if n <= 0:
-                    continue
             if allowed is not None:
                 if allowed <= 0:
                     continue  # every worker is revisited after the next trainer step

@@ -59,13 +59,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3,
                    help="measured trainer steps, sync and one-step")
     p.add_argument("--laminar-steps", type=int, default=6, help="measured trainer steps, laminar")
-    p.add_argument("--max-staleness", default="4",
-                   help="laminar admission bound (simulator-side), or 'none' for the "
-                        "manager's unbounded dispatch")
+    p.add_argument("--max-staleness", default="2",
+                   help="laminar admission bound (ManagerConfig.max_staleness, default 2), "
+                        "or 'none' for unbounded dispatch")
     p.add_argument("--no-repack", action="store_true", help="laminar without dynamic repack")
-    p.add_argument("--even-barrier", action="store_true",
-                   help="variant, not project behaviour: barrier modes cap each worker at an "
-                        "even share of the batch (plan_barrier grants free capacity greedily)")
     p.add_argument("--batch-prompts", type=int, default=512, help="prompts per global batch")
     p.add_argument("--group-size", type=int, default=16, help="samples per prompt (GRPO)")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -185,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in model.describe(workload=workload):
         print("  " + line)
     print(f"  laminar repack {'off' if args.no_repack else 'on'}; laminar staleness bound "
-          f"{bound}; barrier grants "
-          f"{'even share (variant)' if args.even_barrier else 'as plan_barrier (greedy)'}")
+          f"{bound}; barrier grants: an even share of the batch per worker (plan_barrier)")
     print(f"  windows: sync {args.steps} steps after 1, one-step {args.steps} after 2, laminar "
           f"{args.laminar_steps} after >= 2 steps and {2 * fill:.0f} s; seed {args.seed}")
     print()
@@ -196,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     for cl in clusters:
         configs = {
             "sync": SimConfig("sync", measure_steps=args.steps, warmup_steps=1,
-                              barrier_even_share=args.even_barrier, seed=args.seed),
+                              seed=args.seed),
             "one-step": SimConfig("one-step", measure_steps=args.steps, warmup_steps=2,
-                                  barrier_even_share=args.even_barrier, seed=args.seed),
+                                  seed=args.seed),
             "laminar": SimConfig("laminar", measure_steps=args.laminar_steps, warmup_steps=2,
                                  warmup_s=2 * fill, repack=not args.no_repack,
                                  laminar_max_staleness=args.max_staleness, seed=args.seed),

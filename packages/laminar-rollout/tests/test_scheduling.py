@@ -77,9 +77,10 @@ def test_repack_min_sources():
 
 def test_barrier_spreads_the_batch_over_workers():
     workers = [WorkerView(f"w{i}", 1, capacity=256, assigned=0) for i in range(4)]
-    plan = plan_barrier(workers, required=1, latest=1, remaining=10)
+    plan = plan_barrier(workers, required=1, latest=1, share=3)
     assert plan.grants == {"w0": 3, "w1": 3, "w2": 3, "w3": 3}
-    # Workers still pulling the weights count toward the share they will take.
+    # What a worker already holds counts toward its share.
+    workers[0] = WorkerView("w0", 1, capacity=256, assigned=2)
     workers[3] = WorkerView("w3", 0, capacity=256, assigned=0)
-    plan = plan_barrier(workers, required=1, latest=1, remaining=8)
-    assert plan.grants == {"w0": 2, "w1": 2, "w2": 2} and plan.pulls == {"w3": 1}
+    plan = plan_barrier(workers, required=1, latest=1, share=3)
+    assert plan.grants == {"w0": 1, "w1": 3, "w2": 3} and plan.pulls == {"w3": 1}

@@ -299,8 +299,9 @@ class ManagerService(Service):
             self._advance_batch()
             if self.batch < 0:
                 return
+            batch = self.config.batch_groups * self.config.group_size
             plan = plan_barrier(views, required_version(self.config.mode, self.batch), self.latest,
-                                remaining=self.ledger.pending_count())
+                                share=-(-batch // len(self.workers)))
         for wid, version in plan.pulls.items():
             if self._send(wid, Command(action="pull", version=version)):
                 self.workers[wid].pulling = version

@@ -69,16 +69,15 @@ def required_version(mode: str, batch: int) -> int:
 
 
 def plan_barrier(workers: list[WorkerView], required: int, latest: int,
-                 remaining: int | None = None) -> DispatchPlan:
+                 share: int | None = None) -> DispatchPlan:
     """Grants for a barrier batch that needs weights ``required`` (<= ``latest``).
 
-    ``remaining`` (the batch's undispatched trajectories) spreads the batch
-    evenly: each worker that can run the batch gets at most its share,
-    ceil(remaining / workers), instead of the first workers taking it all.
+    ``share`` spreads the batch: a worker holds at most ``share`` trajectories of
+    it (the manager passes ceil(batch / live workers)), instead of the first
+    workers in line taking the whole batch while the rest idle.
     """
     grants: dict[str, int] = {}
     pulls: dict[str, int] = {}
-    ready = []
     for w in workers:
         if w.pulling is not None:
             continue
@@ -86,12 +85,7 @@ def plan_barrier(workers: list[WorkerView], required: int, latest: int,
             if w.assigned == 0 and latest >= required:
                 pulls[w.worker_id] = required
             continue
-        ready.append(w)
-    share = None
-    if remaining is not None and (ready or pulls):
-        share = -(-remaining // (len(ready) + len(pulls)))
-    for w in ready:
-        n = w.free if share is None else min(w.free, share)
+        n = w.free if share is None else min(w.free, share - w.assigned)
         if n > 0:
             grants[w.worker_id] = n
     return DispatchPlan(grants, pulls)
