@@ -25,8 +25,8 @@ def store():
 
 
 def test_register_watch_and_lease_expiry(store):
-    a = InMemoryCoordinator(store, "job", ttl_s=5)
-    b = InMemoryCoordinator(store, "job", ttl_s=5)
+    a = InMemoryCoordinator(store, "job", ttl_s=5, keepalive=False)
+    b = InMemoryCoordinator(store, "job", ttl_s=5, keepalive=False)
     events = []
     b.watch_members(lambda ev: events.append((ev.kind, ev.member_id)))
     a.register(MemberRecord(member_id="w1", role="worker", address="tcp://x"))
@@ -97,3 +97,16 @@ def test_new_watch_replays_existing_members_and_latest(store):
     a.watch_latest(lambda rec: latest.append(rec.version))
     assert seen == [("put", "w1")]
     assert latest == [4]
+
+
+def test_keepalive_thread_holds_the_lease_until_crash():
+    store = InMemoryEtcd()
+    a = InMemoryCoordinator(store, "job", ttl_s=0.3)
+    a.register(MemberRecord(member_id="w1", role="worker"))
+    import time
+
+    time.sleep(0.8)
+    assert a.registered, "the keepalive thread did not refresh the lease"
+    a.crash()
+    time.sleep(0.8)
+    assert not a.registered and InMemoryCoordinator(store, "job").members() == {}

@@ -58,10 +58,12 @@ def _prompts(tmp_path, n):
     return str(p)
 
 
-def _worker(store, wid, max_batch=4, median=6, reward_fn=None, version=0):
-    engine = SimulatedEngine(max_batch=max_batch, step_time_base=0.0005, step_time_per_seq=0.0,
+def _worker(store, wid, max_batch=4, median=6, reward_fn=None, version=0, max_length=80,
+            step_s=0.0005):
+    engine = SimulatedEngine(max_batch=max_batch, step_time_base=step_s, step_time_per_seq=0.0,
                              prefill_time_per_token=0.0,
-                             lengths=LogNormalLengths(median=median, tail_ratio=10, max_length=80),
+                             lengths=LogNormalLengths(median=median, tail_ratio=10,
+                                                      max_length=max_length),
                              vocab_size=200, eos_token_id=0, seed=1, weight_version=version)
     cfg = WorkerConfig(job=JOB, worker_id=wid, report_interval_s=0.05)
     return WorkerService(cfg, engine, ByteTokenizer(),
@@ -197,3 +199,24 @@ def test_overlong_prompt_is_rejected_with_reason(stack, tmp_path):
         assert entry.state == "rejected" and "context" in entry.reason
     finally:
         w.close()
+
+
+def test_repack_moves_stale_stragglers_and_frees_the_source(stack):
+    store, trainer, start_manager, start_worker = stack
+    manager = start_manager(n_prompts=40, group_size=2, max_staleness=50,
+                            repack={"enabled": True, "interval_s": 0.1})
+    workers = [start_worker(f"w{i}", max_batch=4, median=40, max_length=400, step_s=0.01)
+               for i in range(3)]
+    assert _wait(lambda: len(trainer.got) >= 6, 30, trainer)
+    trainer.coord.publish_version(VersionRecord(version=1))
+    assert _wait(lambda: manager.stats.repack_migrated >= 1, 30, trainer), manager.summary()
+    assert _wait(lambda: len({t.trajectory_id for t in trainer.got}) >= 80, 60, trainer)
+    trainer.pump(0.3)
+    ids = [t.trajectory_id for t in trainer.got]
+    assert sorted(set(ids)) == sorted(f"p{i}#{s}" for i in range(40) for s in range(2))
+    assert len(ids) == len(set(ids)), "a migrated trajectory arrived twice"
+    exported = sum(w.counters["exported"] for w in workers)
+    assert exported >= 1 and manager.ledger.counters.migrated >= 1
+    # Migrated trajectories keep the version that produced their first tokens.
+    assert all(t.policy_version in (0, 1) for t in trainer.got)
+    assert any(t.policy_version == 1 for t in trainer.got)

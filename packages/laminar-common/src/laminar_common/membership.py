@@ -305,13 +305,18 @@ class InMemoryEtcd:
 class InMemoryCoordinator(Coordinator):
     """:class:`Coordinator` over an :class:`InMemoryEtcd` (unit tests only)."""
 
-    def __init__(self, store: InMemoryEtcd, job: str, ttl_s: float = 10.0) -> None:
+    def __init__(self, store: InMemoryEtcd, job: str, ttl_s: float = 10.0,
+                 keepalive: bool = True) -> None:
         self.store = store
         self.keys = JobKeys(job)
         self.ttl_s = ttl_s
         self.lease: int | None = None
         self._record: MemberRecord | None = None
         self._watches: list[WatchHandle] = []
+        # Like the etcd coordinator, refresh the lease from a thread until close()
+        # or crash(); tests that drive a fake clock turn it off.
+        self._keepalive = keepalive
+        self._stop_keepalive = threading.Event()
 
     def register(self, record: MemberRecord) -> None:
         proto_key = self.keys.protocol()
@@ -320,6 +325,18 @@ class InMemoryCoordinator(Coordinator):
         self.lease = self.store.grant(self.ttl_s)
         self._record = record
         self.store.put(self.keys.member(record.role, record.member_id), encode_record(record), self.lease)
+        if self._keepalive:
+            threading.Thread(target=self._keepalive_loop, daemon=True,
+                             name=f"inmemory-keepalive-{record.member_id}").start()
+
+    def _keepalive_loop(self) -> None:
+        while not self._stop_keepalive.wait(self.ttl_s / 3):
+            if not self.keepalive():
+                return
+
+    def crash(self) -> None:
+        """Stop refreshing without revoking (a SIGKILL, as the store sees it)."""
+        self._stop_keepalive.set()
 
     def update_record(self, record: MemberRecord) -> None:
         assert self._record is not None and self.lease is not None, "register() first"
@@ -414,6 +431,7 @@ class InMemoryCoordinator(Coordinator):
         ) is not None
 
     def close(self) -> None:
+        self._stop_keepalive.set()
         for handle in self._watches:
             handle.cancel()
         if self.lease is not None:

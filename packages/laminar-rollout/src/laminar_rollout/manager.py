@@ -54,7 +54,8 @@ class WorkerState:
     kv_capacity: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     pulling: int | None = None
-    active_history: list[int] = field(default_factory=list)
+    stale_peak: int = 0
+    """Most trajectories held since the worker's weights went stale (0 while current)."""
 
 
 @dataclass
@@ -210,7 +211,8 @@ class ManagerService(Service):
         w.capacity = msg.max_batch
         w.active, w.queued = msg.active, msg.queued
         w.kv_used, w.kv_capacity = msg.kv_used_tokens, msg.kv_capacity_tokens
-        w.active_history = (w.active_history + [msg.active])[-4:]
+        held = self.ledger.assigned(w.worker_id)
+        w.stale_peak = max(w.stale_peak, held) if msg.policy_version < self.latest else 0
         if w.pulling is not None and msg.policy_version >= w.pulling:
             w.pulling = None
         for tid in msg.done:
@@ -342,7 +344,8 @@ class ManagerService(Service):
         self._last_repack = now
         loads = [
             WorkerLoad(w.worker_id, w.version, self.ledger.assigned(w.worker_id), w.capacity,
-                       w.kv_used, w.kv_capacity, falling=_falling(w.active_history),
+                       w.kv_used, w.kv_capacity,
+                       falling=self.ledger.assigned(w.worker_id) < w.stale_peak,
                        queue_empty=w.queued == 0 and self.ledger.pending_count() == 0
                        or w.version < self.latest)
             for w in self.workers.values() if w.version >= 0 and w.pulling is None
@@ -445,7 +448,3 @@ class ManagerService(Service):
         with open(tmp, "w") as fh:
             json.dump(data, fh)
         os.replace(tmp, path)
-
-
-def _falling(history: list[int]) -> bool:
-    return len(history) >= 2 and history[-1] < history[0]

@@ -15,7 +15,10 @@ the KV capacity and the decode-batch limit (best fit). A worker that received
 trajectories in this plan is never also emptied.
 
 By default only stale groups (version < latest) are repacked: a worker at the
-latest version with free slots is simply given fresh prompts.
+latest version with free slots is simply given fresh prompts. The manager
+reads "falling" as *draining*: the worker holds fewer trajectories than at
+its peak since its weights went stale (a worker left with one straggler has a
+flat load, but it is exactly the one repack should empty).
 """
 
 from __future__ import annotations
