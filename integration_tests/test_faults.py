@@ -128,3 +128,49 @@ def test_kill_each_tier_in_turn_nothing_lost_nothing_twice(etcd, spawn, tmp_path
     assert len(everything) == len(set(everything)), "a trajectory is in two states"
     assert state["summary"]["workers_lost"] >= 1
     watch.close()
+
+
+def test_rolling_upgrade_of_a_worker_while_the_others_run(etcd, spawn, tmp_path):
+    """Restart one worker with a newer laminar-rollout release (0.1.0 -> 0.1.1-test)."""
+    import shutil
+    import sys as _sys
+
+    import laminar_rollout
+
+    upgraded = tmp_path / "upgrade"
+    shutil.copytree(Path(laminar_rollout.__file__).parent, upgraded / "laminar_rollout")
+    (upgraded / "laminar_rollout" / "version.py").write_text('__version__ = "0.1.1-test"\n')
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"sort {i}=", "task": "sort",
+                                           "answer": str(i)}) + "\n" for i in range(2000)))
+    run_dir = tmp_path / "trainer"
+    spawn("relay", "laminar_relay.cli", "serve", *_common(etcd), "--set", "member_id=relay-0",
+          "--set", "bind_host=127.0.0.1", "--set", "advertise_host=127.0.0.1")
+    spawn("manager", "laminar_rollout.cli", "manage", *_common(etcd), "--set", f"prompts={prompts}",
+          "--set", "group_size=2", "--set", "batch_groups=2").wait_for_line("MANAGER READY", 60)
+    worker_args = ("serve", *_common(etcd), "--set", "engine.type=simulated",
+                   "--set", "engine.max_batch=4", "--set", "engine.median_length=8",
+                   "--set", "engine.max_length=48", "--set", "report_interval_s=0.1")
+    old = spawn("worker-0", "laminar_rollout.cli", *worker_args, "--set", "worker_id=worker-0")
+    spawn("worker-1", "laminar_rollout.cli", *worker_args, "--set", "worker_id=worker-1")
+    trainer = spawn("trainer", "laminar_trainer.cli", "run", *_common(etcd),
+                    "--set", "trainer_id=trainer", "--set", f"simulate.step_s={STEP_S}",
+                    "--set", "simulate.weight_bytes=65536", "--set", "batch_groups=2",
+                    "--set", "total_steps=30", "--set", f"run_dir={run_dir}")
+    assert wait_until(lambda: len(_steps(run_dir)) >= 5, 60)
+    assert old.stop() == 0, "the old worker did not shut down gracefully"
+    new = spawn("worker-0-new", "laminar_rollout.cli", *worker_args, "--set", "worker_id=worker-0",
+                "--set", f"stats_path={tmp_path / 'new.stats.json'}",
+                env={"PYTHONPATH": f"{upgraded}:{_sys.path[0]}"})
+    new.wait_for_line("WORKER READY", 60)
+    watch = EtcdCoordinator([etcd.endpoint], JOB, ttl_s=TTL)
+    assert wait_until(lambda: watch.members("worker").get("worker-0") is not None and
+                      watch.members("worker")["worker-0"].package_version == "0.1.1-test", 20)
+    trainer.wait_for_line("TRAINER DONE", 120)
+    consumed = [i for x in (run_dir / "consumed.jsonl").read_text().splitlines()
+                for i in json.loads(x)["ids"]]
+    assert len(consumed) == len(set(consumed)) == 30 * 2 * 2
+    assert new.stop() == 0
+    stats = json.loads((tmp_path / "new.stats.json").read_text())
+    assert stats["counters"].get("finished", 0) > 0, "the upgraded worker generated nothing"
+    watch.close()
