@@ -25,6 +25,7 @@ def test_laminar_up_local_reaches_trained_steps_and_shuts_down(tmp_path):
     up.wait_for_line(r"trainer: STEP 3 ", 180)
     up.wait_for_line(r"trainer exited with \[0\]", 60)
     assert up.proc.wait(60) == 0
+    up.wait_for_line(r"plot: .*timeline\.png", 60)
     summary = json.loads((tmp_path / "run" / "trainer" / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["simulated_step"] is True
     assert summary["tokens_consumed"] > 0

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from laminar_common.launcher import JobFile, LocalLauncher
+from laminar_common.report import busy_in_window, write_timeline
 from laminar_common.tasks import make_task_records, write_jsonl
 
 MODES = ("sync", "one-step", "laminar")
@@ -84,17 +85,6 @@ def percentile(hist: dict[int, int], q: float) -> int:
     return max(hist) if hist else 0
 
 
-def busy_in_window(stats: dict, t0: float, t1: float) -> float:
-    """Fraction of [t0, t1] (absolute times) a worker spent busy, from its timeline."""
-    events = [(stats["started_at"] + t, s) for t, s in stats["timeline"]] + [(t1, "end")]
-    busy = 0.0
-    for (ta, state), (tb, _) in zip(events, events[1:]):
-        lo, hi = max(ta, t0), min(tb, t1)
-        if hi > lo and state == "busy":
-            busy += hi - lo
-    return busy / (t1 - t0) if t1 > t0 else 0.0
-
-
 def collect(mode: str, root: Path, args) -> dict:
     run = root / mode
     summary = json.loads((run / "trainer" / "summary.json").read_text())
@@ -114,33 +104,12 @@ def collect(mode: str, root: Path, args) -> dict:
 
 
 def plot(results: list[dict], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    timeline = write_timeline([(r["mode"], r["workers"], r["window"]) for r in results],
+                              out / "timeline.png", " — simulated engine and training step")
+    if timeline is None:
         return []
-    colors = {"busy": "tab:green", "idle": "lightgrey", "weights": "tab:red"}
-    fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.2 * len(results)), squeeze=False)
-    for ax, res in zip(axes[:, 0], results):
-        t0, t1 = res["window"]
-        for row, w in enumerate(res["workers"]):
-            events = [(w["started_at"] + t, s) for t, s in w["timeline"]] + [(t1, "end")]
-            for (ta, state), (tb, _) in zip(events, events[1:]):
-                lo, hi = max(ta, t0), min(tb, t1)
-                if hi > lo:
-                    ax.broken_barh([(lo - t0, hi - lo)], (row - 0.4, 0.8),
-                                   color=colors.get(state, "white"))
-        ax.set_yticks(range(len(res["workers"])), [w["worker_id"] for w in res["workers"]])
-        ax.set_title(f"{res['mode']}: busy (green) / idle (grey) / weight load (red) — "
-                     "simulated engine and training step")
-        ax.set_xlim(0, t1 - t0)
-    axes[-1, 0].set_xlabel("seconds since the first trainer step")
-    fig.tight_layout()
-    timeline = out / "timeline.png"
-    fig.savefig(timeline, dpi=90)
-    plt.close(fig)
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.bar([r["mode"] for r in results], [r["tokens_per_s"] for r in results],
            color=["tab:grey", "tab:blue", "tab:green"][: len(results)])

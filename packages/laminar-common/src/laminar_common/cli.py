@@ -132,11 +132,11 @@ def _cmd_member(args, setup_logging) -> int:
 
 
 def _cmd_report(args) -> int:
-    from .report import load_metrics, summarize, write_plots
+    from .report import find_worker_stats, load_metrics, summarize, write_plots
 
     rows, summary = load_metrics(args.run_dir)
     print(summarize(rows, summary))
-    plots = write_plots(rows, summary, args.run_dir)
+    plots = write_plots(rows, summary, args.run_dir, workers=find_worker_stats(args.run_dir))
     print(f"metrics: {args.run_dir}/metrics.jsonl")
     print("plots: " + (", ".join(map(str, plots)) if plots else
                        "none (pip install 'laminar-common[report]' for matplotlib)"))

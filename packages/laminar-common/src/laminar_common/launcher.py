@@ -248,17 +248,18 @@ class LocalLauncher:
                     self._say(f"{target[0].name}: {line[:300]}")
             codes = [c.proc.wait() for c in target]
             self._say(f"{self.job.wait_for} exited with {codes}")
-            if self.job.report:
-                self._report(_fill(self.job.report, self.subs))
             return max(codes, key=abs)
         finally:
             self.stop_all()
             for s, h in previous.items():
                 signal.signal(s, h)
+            # After the stop: workers write their timelines (stats_path) on exit.
+            if self.job.report:
+                self._report(_fill(self.job.report, self.subs))
 
 
     def _report(self, run_dir: str) -> None:
-        from .report import load_metrics, summarize, write_plots
+        from .report import find_worker_stats, load_metrics, summarize, write_plots
 
         try:
             rows, summary = load_metrics(run_dir)
@@ -266,7 +267,7 @@ class LocalLauncher:
             self._say(f"no report: {exc}")
             return
         print(summarize(rows, summary), flush=True)
-        plots = write_plots(rows, summary, run_dir)
+        plots = write_plots(rows, summary, run_dir, workers=find_worker_stats(run_dir))
         self._say(f"metrics: {run_dir}/metrics.jsonl; summary: {run_dir}/summary.json")
         self._say("plot: " + (", ".join(map(str, plots)) if plots else
                               "none (pip install matplotlib to plot)"))

@@ -158,8 +158,6 @@ class RayLauncher(LocalLauncher):
                         self._say(f"{self.job.wait_for}: {line[:300]}")
                 if not alive:
                     self._say(f"{self.job.wait_for} exited with {code}")
-                    if self.job.report:
-                        self._report(_fill(self.job.report, self.subs))
                     return code or 0
                 for actor in others:
                     # A crashed replica takes its actor down; Ray starts a new one.
@@ -168,6 +166,8 @@ class RayLauncher(LocalLauncher):
             self.stop_all()
             for s, h in previous.items():
                 signal.signal(s, h)
+            if self.job.report:
+                self._report(_fill(self.job.report, self.subs))
 
     def stop_all(self) -> None:
         for name, actor in reversed(self.actors):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from .errors import LaminarError
 
-__all__ = ["load_metrics", "summarize", "write_plots"]
+__all__ = ["load_metrics", "summarize", "write_plots", "write_timeline", "find_worker_stats",
+           "busy_in_window"]
 
 
 def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
@@ -58,8 +59,67 @@ def summarize(rows: list[dict], summary: dict) -> str:
     return "\n".join(lines)
 
 
-def write_plots(rows: list[dict], summary: dict, out_dir: str | Path) -> list[Path]:
-    """Write reward/throughput/staleness PNGs; returns their paths ([] without matplotlib)."""
+def find_worker_stats(run_dir: str | Path) -> list[dict]:
+    """Worker stats files (``stats_path``) in ``run_dir`` or its parent, sorted by worker."""
+    out = []
+    for d in (Path(run_dir), Path(run_dir).parent):
+        for p in sorted(d.glob("*.stats.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise LaminarError(f"{p} is not a worker stats file: {exc}") from exc
+        if out:
+            break
+    return sorted(out, key=lambda w: w["worker_id"])
+
+
+def _intervals(stats: dict, t0: float, t1: float):
+    """(start, end, state) of a worker's timeline, clipped to [t0, t1] (absolute times)."""
+    events = [(stats["started_at"] + t, s) for t, s in stats["timeline"]] + [(t1, "end")]
+    for (ta, state), (tb, _) in zip(events, events[1:]):
+        lo, hi = max(ta, t0), min(tb, t1)
+        if hi > lo:
+            yield lo, hi, state
+
+
+def busy_in_window(stats: dict, t0: float, t1: float) -> float:
+    """Fraction of [t0, t1] a worker spent busy, from its timeline."""
+    busy = sum(hi - lo for lo, hi, state in _intervals(stats, t0, t1) if state == "busy")
+    return busy / (t1 - t0) if t1 > t0 else 0.0
+
+
+def write_timeline(runs: list[tuple[str, list[dict], tuple[float, float]]], path: str | Path,
+                   note: str = "") -> Path | None:
+    """Per-worker busy (green) / idle (grey) / weight load (red) bars, one panel per run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    colors = {"busy": "tab:green", "idle": "lightgrey", "weights": "tab:red"}
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 0.5 + 0.45 * max(
+        len(w) for _, w, _ in runs) * len(runs) + 0.8 * len(runs)), squeeze=False)
+    for ax, (title, workers, (t0, t1)) in zip(axes[:, 0], runs):
+        for row, w in enumerate(workers):
+            for lo, hi, state in _intervals(w, t0, t1):
+                ax.broken_barh([(lo - t0, hi - lo)], (row - 0.4, 0.8),
+                               color=colors.get(state, "white"))
+        ax.set_yticks(range(len(workers)), [w["worker_id"] for w in workers])
+        ax.set_title(f"{title}: busy (green) / idle (grey) / weight load (red){note}")
+        ax.set_xlim(0, t1 - t0)
+    axes[-1, 0].set_xlabel("seconds since the first trainer step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_plots(rows: list[dict], summary: dict, out_dir: str | Path,
+                workers: list[dict] | None = None) -> list[Path]:
+    """Write reward/throughput/staleness PNGs (and the per-worker timeline when worker
+    stats are given); returns their paths ([] without matplotlib)."""
     try:
         import matplotlib
 
@@ -95,4 +155,12 @@ def write_plots(rows: list[dict], summary: dict, out_dir: str | Path) -> list[Pa
     path = out / "report.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return [path]
+    paths = [path]
+    if workers and rows:
+        t0 = rows[0]["time"] - rows[0]["step_s"] - rows[0]["wait_s"]
+        note = " (simulated step)" if summary.get("simulated_step") else ""
+        timeline = write_timeline([("workers", workers, (t0, rows[-1]["time"]))],
+                                  out / "timeline.png", note)
+        if timeline is not None:
+            paths.append(timeline)
+    return paths
