@@ -39,10 +39,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, default=None)
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--warm-steps", type=int, default=None, help="supervised warm-start steps")
-    parser.add_argument("--rl-steps", type=int, default=60, help="GRPO optimizer steps")
-    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--rl-steps", type=int, default=80, help="GRPO optimizer steps")
+    parser.add_argument("--prompts-per-step", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    parser.add_argument("--lr", type=float, default=5e-4, help="RL AdamW learning rate")
+    parser.add_argument("--lr", type=float, default=2e-4, help="RL AdamW learning rate")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=10, help="linear lr warmup of the fresh optimizer"
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--correction", default="decoupled", choices=["decoupled", "tis", "none"])
     parser.add_argument(
@@ -51,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
     )
     parser.add_argument("--n-eval", type=int, default=256, help="held-out records")
-    parser.add_argument("--eval-every", type=int, default=10, help="RL steps between evals")
+    parser.add_argument("--eval-every", type=int, default=20, help="RL steps between evals")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--out-dir", default=None, help="warm-start dir (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the summary to this file")
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> dict:
     from laminar_trainer.model import (
         DEFAULT_WARM_START_STEPS,
         compute_token_logprobs,
+        decode_completion,
         encode_prompts,
         evaluate_accuracy,
         generate_completions,
@@ -116,10 +120,16 @@ def run(args: argparse.Namespace) -> dict:
     # A seed offset keeps RL prompts apart from the warm-start stream.
     rl_records = make_task_records(args.task, n_prompts, args.seed + 10_000, "train", **difficulty)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # A fresh Adam takes sign-like steps of size lr at first; warming up keeps
+    # those first noisy policy-gradient steps from undoing the warm start.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / max(1, args.warmup_steps))
+    )
     sampler = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
     history = [{"step": 0, "accuracy": warm.accuracy, "seconds": 0.0}]
     rl_started = time.perf_counter()
+    rl_cpu_started = time.process_time()
     for step in range(1, args.rl_steps + 1):
         batch = rl_records[(step - 1) * args.prompts_per_step : step * args.prompts_per_step]
         rows = [r for r in batch for _ in range(args.group_size)]
@@ -130,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
         )
         rewards = torch.tensor(
             [
-                score_completion(r, tokenizer.decode(ids, skip_special_tokens=True))
+                score_completion(r, decode_completion(tokenizer, ids))
                 for r, ids in zip(rows, samples.token_ids)
             ]
         )
@@ -163,6 +173,7 @@ def run(args: argparse.Namespace) -> dict:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
+        scheduler.step()
         if step % args.eval_every == 0 or step == args.rl_steps:
             accuracy = evaluate_accuracy(model, tokenizer, eval_records, max_new_tokens)
             elapsed = time.perf_counter() - rl_started
@@ -186,6 +197,7 @@ def run(args: argparse.Namespace) -> dict:
         "prompts_per_step": args.prompts_per_step,
         "group_size": args.group_size,
         "lr": args.lr,
+        "warmup_steps": args.warmup_steps,
         "correction": args.correction,
         "aggregation": args.aggregation,
         "accuracy_before": warm.accuracy,
@@ -194,6 +206,7 @@ def run(args: argparse.Namespace) -> dict:
         "best_accuracy": max(h["accuracy"] for h in history),
         "warm_seconds": round(warm_seconds, 1),
         "rl_seconds": round(rl_seconds, 1),
+        "rl_cpu_seconds": round(time.process_time() - rl_cpu_started, 1),
         "total_seconds": round(time.perf_counter() - started, 1),
         "history": history,
         "model_dir": out_dir,

@@ -277,8 +277,7 @@ _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
 
 
 def _normalise_math(text: str) -> str:
-    text = text.strip().strip("$").strip()
-    text = text.rstrip(".").strip()
+    text = text.lstrip(" \t\n$").rstrip(" \t\n$.")
     if _THOUSANDS.match(text):
         text = text.replace(",", "")
     return " ".join(text.split())

@@ -190,7 +190,9 @@ def aggregate_token_losses(
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     count = int(mask.sum())
-    return float(torch.where(mask, values, torch.zeros_like(values)).sum()) / count if count else 0.0
+    return (
+        float(torch.where(mask, values, torch.zeros_like(values)).sum()) / count if count else 0.0
+    )
 
 
 def _masked_max(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -257,7 +259,9 @@ def compute_policy_loss(
     if tis_cap < 1.0:
         raise ValueError(f"tis_cap must be >= 1, got {tis_cap}")
     if proximal_logprobs is not None and correction != "decoupled":
-        raise ValueError(f"proximal_logprobs are only used by correction='decoupled', not {correction!r}")
+        raise ValueError(
+            f"proximal_logprobs are only used by correction='decoupled', not {correction!r}"
+        )
     _check_same_shape(
         logprobs, old_logprobs=old_logprobs, mask=mask, proximal_logprobs=proximal_logprobs
     )

@@ -1,4 +1,4 @@
-"""The demo's tiny policy: a character-level tokenizer, a small Qwen2 model, a warm start.
+"""The demo's tiny policy: a character-level tokenizer, a small Llama model, a warm start.
 
 This module owns everything needed to produce, offline and in code, a model
 directory that the rest of Laminar loads like any Hugging Face checkpoint:
@@ -7,7 +7,10 @@ directory that the rest of Laminar loads like any Hugging Face checkpoint:
   ``laminar_common.tasks.TASK_ALPHABET`` plus ``<pad>``, ``<bos>``, ``<eos>``
   and ``<unk>``. Encoding a text prepends ``<bos>``; there are no merges, so
   ``encode(prompt + answer) == encode(prompt) + chars(answer)``.
-- ``build_tiny_model``: a randomly initialised (seeded) ``Qwen2ForCausalLM``.
+- ``build_tiny_model``: a randomly initialised (seeded) ``LlamaForCausalLM``.
+  Llama rather than Qwen2 because transformers 5 ignores a checkpoint's own
+  tokenizer class for ``model_type: qwen2`` and rebuilds a byte-level Qwen2
+  tokenizer, which would re-tokenize our character vocabulary differently.
 - ``warm_start``: a short supervised phase (teacher forcing on
   ``prompt + answer + <eos>``, loss on the answer and ``<eos>`` only) that
   leaves greedy held-out accuracy in the range where RL has signal, then
@@ -32,7 +35,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from laminar_common.tasks import TASK_ALPHABET, make_task_records, score_completion
 
@@ -58,6 +60,7 @@ __all__ = [
     "build_tiny_model",
     "build_tokenizer",
     "compute_token_logprobs",
+    "decode_completion",
     "encode_prompts",
     "evaluate_accuracy",
     "generate_completions",
@@ -82,7 +85,8 @@ DEFAULT_MODEL_SIZES: dict[str, int] = {
 
 # transformers 5 renamed the forward's ``past_key_values`` argument to ``cache``.
 _CACHE_KWARG = (
-    "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters
+    "cache"
+    if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
     else "past_key_values"
 )
 
@@ -122,15 +126,15 @@ def build_tiny_model(
     intermediate_size: int = DEFAULT_MODEL_SIZES["intermediate_size"],
     max_position_embeddings: int = DEFAULT_MODEL_SIZES["max_position_embeddings"],
     seed: int = 0,
-) -> Qwen2ForCausalLM:
-    """Build a randomly initialised (seeded) float32 Qwen2 causal LM.
+) -> LlamaForCausalLM:
+    """Build a randomly initialised (seeded) float32 Llama causal LM.
 
     Raises:
         ValueError: ``hidden_size`` is not divisible by ``num_heads``.
     """
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -145,7 +149,7 @@ def build_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = PAD_ID
     model.generation_config.bos_token_id = BOS_ID
     model.generation_config.eos_token_id = EOS_ID
@@ -172,9 +176,7 @@ def pack_sequences(
         ValueError: the two lists differ in length or a prompt is empty.
     """
     if len(prompt_ids) != len(completion_ids):
-        raise ValueError(
-            f"got {len(prompt_ids)} prompts but {len(completion_ids)} completions"
-        )
+        raise ValueError(f"got {len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token (its <bos>)")
     width = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
@@ -191,9 +193,13 @@ def pack_sequences(
 
 
 def compute_token_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Log-probability of each token given its prefix, for right-padded rows.
+
+    ``temperature`` divides the logits first, matching the rollout engines'
+    behaviour log-probs at the sampling temperature.
 
     Returns:
         ``[B, T]``: entry ``t`` is ``log p(input_ids[:, t] | input_ids[:, :t])``;
@@ -201,7 +207,7 @@ def compute_token_logprobs(
         ``pack_sequences`` to select completion tokens.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return F.pad(picked, (1, 0), value=0.0)
 
@@ -295,6 +301,16 @@ def generate_completions(
     return result
 
 
+def decode_completion(tokenizer: PreTrainedTokenizerFast, token_ids: Sequence[int]) -> str:
+    """Decode completion ids for scoring: a trailing ``<eos>`` is dropped, other
+    special tokens are kept as text (so a stray ``<pad>`` or ``<bos>`` inside an
+    answer makes it wrong instead of vanishing)."""
+    ids = list(token_ids)
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def _answer_budget(records: Sequence[Mapping[str, Any]]) -> int:
     # Room for the longest answer, <eos>, and a few extra tokens so that a
     # model which never stops is not cut off exactly at a right answer.
@@ -325,8 +341,7 @@ def evaluate_accuracy(
         prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in chunk])
         completions = generate_completions(model, prompt_ids, budget)
         for record, ids in zip(chunk, completions.token_ids):
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            total += score_completion(record, text)
+            total += score_completion(record, decode_completion(tokenizer, ids))
     return total / len(records)
 
 
@@ -342,8 +357,9 @@ def train_supervised(
 ) -> list[float]:
     """Teacher-force ``prompt + answer + <eos>``; the loss covers answer and ``<eos>`` only.
 
-    Batches walk through ``records`` in order (wrapping around); AdamW with
-    linear warmup then cosine decay to 10% of ``lr``.
+    Batches walk through ``records`` in order (wrapping around); AdamW with a
+    linear warmup, then constant ``lr`` (so a run of k steps is a prefix of a
+    longer one, and accuracy grows with ``steps`` alone).
 
     Returns:
         The loss of every step.
@@ -357,13 +373,9 @@ def train_supervised(
         raise ValueError("train_supervised needs at least one record")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
-    def lr_factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps))
+    )
     model.train()
     losses = []
     for step in range(steps):
@@ -381,7 +393,7 @@ def train_supervised(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
@@ -478,6 +490,10 @@ def warm_start(
     (out / "warm_start.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.info(
         "warm start %s: %d steps, loss %.3f, held-out accuracy %.3f, %.1fs",
-        task, steps, final_loss, accuracy, seconds,
+        task,
+        steps,
+        final_loss,
+        accuracy,
+        seconds,
     )
     return WarmStartResult(out, model, tokenizer, accuracy, final_loss, steps, seconds)

@@ -17,9 +17,9 @@ import torch
 
 from .buffer import Group
 from .loss import compute_grpo_advantages, compute_kl_penalty, compute_policy_loss
-from .model import pack_sequences
+from .model import compute_token_logprobs, pack_sequences
 
-__all__ = ["StepResult", "make_optimizer", "train_step", "token_logprobs"]
+__all__ = ["StepResult", "make_optimizer", "train_step"]
 
 
 @dataclass
@@ -52,15 +52,6 @@ def make_optimizer(model: torch.nn.Module, cfg, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """``[B, T]`` log-prob of each token given its prefix at ``temperature`` (column 0 is 0)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(picked, (1, 0), value=0.0)
-
-
 def _micro_batches(groups: list[Group], size: int) -> list[list[Group]]:
     if size <= 0:
         return [groups]
@@ -87,7 +78,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
         for row, t in enumerate(trajs):
             cols = comp_mask[row].nonzero().squeeze(-1)
             old[row, cols] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
-        logprobs = token_logprobs(model, input_ids, attn, cfg.temperature)
+        logprobs = compute_token_logprobs(model, input_ids, attn, cfg.temperature)
         loss, stats = compute_policy_loss(
             logprobs, old, adv[:, None].expand_as(logprobs), comp_mask,
             clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high,
@@ -95,7 +86,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
             aggregation=cfg.loss.aggregation)
         if ref_model is not None and cfg.loss.kl_coef > 0:
             with torch.no_grad():
-                ref = token_logprobs(ref_model, input_ids, attn, cfg.temperature)
+                ref = compute_token_logprobs(ref_model, input_ids, attn, cfg.temperature)
             kl = compute_kl_penalty(logprobs, ref, comp_mask, aggregation=cfg.loss.aggregation)
             loss = loss + cfg.loss.kl_coef * kl
             stats["kl"] = float(kl)

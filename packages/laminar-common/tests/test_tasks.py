@@ -1,0 +1,175 @@
+"""Tests for laminar_common.tasks: generation, splits, scoring, JSONL."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from laminar_common import tasks
+from laminar_common.tasks import (
+    ANSWER_END,
+    TASK_ALPHABET,
+    TASKS,
+    extract_answer,
+    find_overlap,
+    make_task_records,
+    read_jsonl,
+    score_completion,
+    score_exact_answer,
+    split_of,
+    write_jsonl,
+)
+
+
+def test_records_have_the_documented_fields_and_round_trip_json():
+    for task in TASKS:
+        records = make_task_records(task, 20, seed=3)
+        assert len(records) == 20
+        for record in records:
+            assert set(record) == {"id", "task", "prompt", "answer"}
+            assert record["task"] == task
+            assert json.loads(json.dumps(record)) == record
+
+
+def test_generation_is_deterministic_and_seed_dependent():
+    a = make_task_records("sort", 50, seed=1)
+    assert a == make_task_records("sort", 50, seed=1)
+    assert [r["prompt"] for r in a] != [r["prompt"] for r in make_task_records("sort", 50, seed=2)]
+
+
+def test_ids_are_unique_across_tasks_seeds_and_splits():
+    ids = [
+        r["id"]
+        for task in TASKS
+        for seed in (0, 1)
+        for split in ("train", "eval")
+        for r in make_task_records(task, 30, seed, split)
+    ]
+    assert len(ids) == len(set(ids))
+
+
+def test_sort_answers_are_sorted_digits_with_varying_length():
+    records = make_task_records("sort", 400, seed=0, min_len=2, max_len=6)
+    lengths = set()
+    for r in records:
+        digits = r["prompt"].removeprefix("sort ").removesuffix("=")
+        assert r["prompt"] == f"sort {digits}="
+        assert r["answer"] == "".join(sorted(digits))
+        lengths.add(len(digits))
+    assert lengths == {2, 3, 4, 5, 6}
+
+
+def test_reverse_and_add_answers_are_right():
+    for r in make_task_records("reverse", 100, seed=0):
+        digits = r["prompt"].removeprefix("reverse ").removesuffix("=")
+        assert r["answer"] == digits[::-1]
+    for r in make_task_records("add", 200, seed=0, max_digits=4):
+        a, b = r["prompt"].removeprefix("add ").removesuffix("=").split("+")
+        assert r["answer"] == str(int(a) + int(b))
+        assert 1 <= len(a) <= 4 and 1 <= len(b) <= 4
+        assert a == str(int(a))  # no leading zeros
+
+
+def test_every_character_is_in_the_alphabet():
+    assert len(set(TASK_ALPHABET)) == len(TASK_ALPHABET)
+    for task in TASKS:
+        for r in make_task_records(task, 200, seed=5) + make_task_records(task, 50, 5, "eval"):
+            assert set(r["prompt"] + r["answer"] + ANSWER_END) <= set(TASK_ALPHABET)
+
+
+def test_train_and_eval_splits_are_disjoint_across_seeds():
+    for task in TASKS:
+        train = [r for seed in range(3) for r in make_task_records(task, 300, seed, "train")]
+        held_out = [r for seed in range(3) for r in make_task_records(task, 100, seed, "eval")]
+        assert find_overlap(train, held_out) == set()
+        assert all(split_of(r["prompt"]) == "train" for r in train)
+        assert all(split_of(r["prompt"]) == "eval" for r in held_out)
+
+
+def test_split_of_is_stable_and_roughly_one_in_ten():
+    assert split_of("sort 3142=") == split_of("sort 3142=")
+    prompts = [f"add {a}+{b}=" for a in range(100) for b in range(100)]
+    fraction = sum(split_of(p) == "eval" for p in prompts) / len(prompts)
+    assert 0.08 < fraction < 0.12
+
+
+def test_find_overlap_reports_shared_prompts():
+    a = [{"prompt": "x"}, {"prompt": "y"}]
+    assert find_overlap(a, [{"prompt": "y"}, {"prompt": "z"}]) == {"y"}
+
+
+def test_bad_requests_raise_clear_errors():
+    with pytest.raises(ValueError, match="unknown task 'sorting'"):
+        make_task_records("sorting", 1, 0)
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        make_task_records("sort", 1, 0, "test")
+    with pytest.raises(ValueError, match=r"no difficulty setting\(s\) \['max_digits'\]"):
+        make_task_records("sort", 1, 0, max_digits=3)
+    with pytest.raises(ValueError, match="min_len <= max_len"):
+        make_task_records("sort", 1, 0, min_len=5, max_len=3)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        make_task_records("sort", -1, 0)
+
+
+def test_a_split_with_no_problems_raises_instead_of_looping(monkeypatch):
+    monkeypatch.setattr(tasks, "split_of", lambda prompt: "train")
+    with pytest.raises(ValueError, match="problem space is too small"):
+        make_task_records("sort", 1, 0, "eval")
+
+
+def test_score_completion_is_exact_on_the_extracted_answer():
+    record = {"id": "r", "task": "sort", "prompt": "sort 310=", "answer": "013"}
+    assert score_completion(record, "013") == 1.0
+    assert score_completion(record, " 013 \ngarbage after the end marker") == 1.0
+    assert score_completion(record, "13") == 0.0  # leading zero matters
+    assert score_completion(record, "0133") == 0.0
+    assert score_completion(record, "01 3") == 0.0
+    assert score_completion(record, "") == 0.0
+    assert extract_answer("42\n43") == "42"
+
+
+def test_score_completion_rejects_bad_records():
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        score_completion({"task": "nope", "answer": "1"}, "1")
+    with pytest.raises(ValueError, match="no 'answer'"):
+        score_completion({"id": "r", "task": "add"}, "1")
+
+
+def test_score_exact_answer_for_math():
+    assert score_exact_answer("42", "so the answer is \\boxed{42}.") == 1.0
+    assert score_exact_answer("\\frac{1}{2}", "\\boxed{\\frac{1}{2}}") == 1.0
+    assert score_exact_answer("1/2", "first \\boxed{3}, finally \\boxed{0.50}") == 1.0
+    assert score_exact_answer("1234", "work...\n#### 1,234\nbye") == 1.0
+    assert score_exact_answer("7", "$7$.") == 1.0
+    assert score_exact_answer("7", "\\boxed{8}") == 0.0
+    assert score_exact_answer("7", "") == 0.0
+    assert score_exact_answer("7", "\\boxed{7") == 0.0  # unclosed box: nothing extracted
+
+
+def test_jsonl_round_trip(tmp_path):
+    records = make_task_records("add", 5, seed=0)
+    path = tmp_path / "nested" / "prompts.jsonl"
+    assert write_jsonl(path, records) == 5
+    assert read_jsonl(path) == records
+    assert len(path.read_text().splitlines()) == 5
+
+
+def test_read_jsonl_names_the_bad_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"a": 1}\n\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: expected a JSON object"):
+        read_jsonl(path)
+    path.write_text('{"a": 1}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        read_jsonl(path)
+
+
+def test_tasks_module_imports_no_heavy_dependency():
+    code = (
+        "import sys, laminar_common.tasks as t; t.make_task_records('sort', 3, 0); "
+        "bad = {'torch', 'transformers', 'tokenizers', 'numpy'} & set(sys.modules); "
+        "print(sorted(bad)); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,169 @@
+"""Tests for laminar_trainer.model: tokenizer, tiny model, decoding, warm start."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from laminar_common.tasks import TASK_ALPHABET, make_task_records, score_completion
+from laminar_trainer.model import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    build_tiny_model,
+    build_tokenizer,
+    compute_token_logprobs,
+    decode_completion,
+    encode_prompts,
+    evaluate_accuracy,
+    generate_completions,
+    pack_sequences,
+    train_supervised,
+    warm_start,
+)
+
+SMALL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory, tokenizer):
+    out = tmp_path_factory.mktemp("warm")
+    return warm_start(out, "sort", steps=8, seed=3, model_sizes=SMALL, batch_size=16, n_eval=16)
+
+
+def test_tokenizer_is_character_level_with_fixed_special_ids(tokenizer):
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
+        PAD_ID,
+        BOS_ID,
+        EOS_ID,
+    )
+    assert tokenizer.unk_token_id == UNK_ID
+    assert len(tokenizer) == 4 + len(TASK_ALPHABET)
+    ids = tokenizer(TASK_ALPHABET)["input_ids"]
+    assert ids == [BOS_ID, *range(4, 4 + len(TASK_ALPHABET))]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == TASK_ALPHABET
+    assert tokenizer("sort Q=")["input_ids"][-2] == UNK_ID
+
+
+def test_prompt_then_answer_tokenizes_as_the_concatenation(tokenizer):
+    prompt, answer = "sort 3 1=", "13"
+    joined = tokenizer(prompt + answer)["input_ids"]
+    separate = (
+        tokenizer(prompt)["input_ids"] + tokenizer(answer, add_special_tokens=False)["input_ids"]
+    )
+    assert joined == separate
+
+
+def test_decode_completion_keeps_stray_special_tokens(tokenizer):
+    digits = tokenizer("12", add_special_tokens=False)["input_ids"]
+    assert decode_completion(tokenizer, [*digits, EOS_ID]) == "12"
+    assert decode_completion(tokenizer, [digits[0], PAD_ID, digits[1]]) == "1<pad>2"
+
+
+def test_tiny_model_is_seeded(tokenizer):
+    a = build_tiny_model(len(tokenizer), seed=1, **SMALL)
+    b = build_tiny_model(len(tokenizer), seed=1, **SMALL)
+    c = build_tiny_model(len(tokenizer), seed=2, **SMALL)
+    pa, pb, pc = (torch.cat([p.flatten() for p in m.parameters()]) for m in (a, b, c))
+    assert torch.equal(pa, pb)
+    assert not torch.equal(pa, pc)
+    assert a.config.eos_token_id == EOS_ID and a.config.pad_token_id == PAD_ID
+    with pytest.raises(ValueError, match="not divisible"):
+        build_tiny_model(10, hidden_size=30, num_heads=4)
+
+
+def test_pack_sequences_right_pads_and_marks_completions():
+    input_ids, attention, completion = pack_sequences([[1, 5], [1]], [[7, 2], [8, 9, 2]], pad_id=0)
+    assert input_ids.tolist() == [[1, 5, 7, 2], [1, 8, 9, 2]]
+    assert attention.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert completion.tolist() == [[False, False, True, True], [False, True, True, True]]
+    input_ids, attention, completion = pack_sequences([[1, 5, 6], [1]], [[2], [8]], pad_id=0)
+    assert input_ids.tolist() == [[1, 5, 6, 2], [1, 8, 0, 0]]
+    assert attention.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    with pytest.raises(ValueError, match="2 prompts but 1 completions"):
+        pack_sequences([[1], [1]], [[2]])
+
+
+def test_sampled_logprobs_match_the_training_forward(tokenizer):
+    model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
+    prompts = encode_prompts(tokenizer, ["sort 12=", "sort 98765=", "add 1+2="])
+    sampled = generate_completions(
+        model, prompts, 6, temperature=1.0, generator=torch.Generator().manual_seed(0)
+    )
+    input_ids, attention, mask = pack_sequences(prompts, sampled.token_ids)
+    logprobs = compute_token_logprobs(model, input_ids, attention)
+    for row, expected in enumerate(sampled.logprobs):
+        assert torch.allclose(logprobs[row][mask[row]], torch.tensor(expected), atol=1e-5)
+
+
+def test_greedy_decoding_ignores_left_padding_and_stops_at_eos(tokenizer):
+    model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
+    prompts = encode_prompts(tokenizer, ["sort 12=", "sort 9876543210="])
+    alone = generate_completions(model, prompts[:1], 5)
+    batched = generate_completions(model, prompts, 5)
+    assert batched.token_ids[0] == alone.token_ids[0]
+    for ids, finished in zip(batched.token_ids, batched.finished):
+        assert finished == (EOS_ID in ids)
+        assert EOS_ID not in ids[:-1]
+        assert len(ids) <= 5
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_completions(model, prompts, 0)
+
+
+def test_supervised_training_fits_a_small_set(tokenizer):
+    torch.manual_seed(0)
+    model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
+    records = make_task_records("sort", 8, seed=0, max_len=3)
+    losses = train_supervised(model, tokenizer, records, 60, batch_size=8, lr=1e-2)
+    assert losses[-1] < 0.5 * losses[0]
+    assert evaluate_accuracy(model, tokenizer, records) >= 0.5
+
+
+def test_evaluate_accuracy_matches_manual_scoring(tokenizer):
+    model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
+    records = make_task_records("sort", 5, seed=0)
+    prompts = encode_prompts(tokenizer, [r["prompt"] for r in records])
+    completions = generate_completions(model, prompts, 12)
+    expected = sum(
+        score_completion(r, decode_completion(tokenizer, ids))
+        for r, ids in zip(records, completions.token_ids)
+    ) / len(records)
+    assert evaluate_accuracy(model, tokenizer, records, 12, batch_size=2) == expected
+    with pytest.raises(ValueError, match="at least one record"):
+        evaluate_accuracy(model, tokenizer, [])
+
+
+def test_warm_start_saves_a_directory_that_loads_offline(warm, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    summary = json.loads((warm.out_dir / "warm_start.json").read_text())
+    assert summary["steps"] == 8 and summary["eval_accuracy"] == warm.accuracy
+    assert 0.0 <= warm.accuracy <= 1.0
+    model = AutoModelForCausalLM.from_pretrained(warm.out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(warm.out_dir)
+    assert tokenizer("sort 21=")["input_ids"] == warm.tokenizer("sort 21=")["input_ids"]
+    assert tokenizer.eos_token_id == EOS_ID
+    ids = torch.tensor([tokenizer("sort 21=12")["input_ids"]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, warm.model(ids).logits, atol=1e-6)
+
+
+def test_warm_start_is_deterministic(warm, tmp_path):
+    again = warm_start(
+        tmp_path, "sort", steps=8, seed=3, model_sizes=SMALL, batch_size=16, n_eval=16
+    )
+    for a, b in zip(warm.model.parameters(), again.model.parameters()):
+        assert torch.equal(a, b)
+    assert again.accuracy == warm.accuracy
+
+
+def test_warm_start_rejects_unknown_size_fields(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown model size field\(s\) \['layers'\]"):
+        warm_start(tmp_path, steps=0, model_sizes={"layers": 2})
