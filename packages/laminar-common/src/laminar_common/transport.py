@@ -394,11 +394,8 @@ class ZmqServer(Server):
     def send(self, peer_id: str, msg: Message) -> None:
         if peer_id not in self.peers:
             raise TransportError(f"peer {peer_id!r} has not said hello to {self.endpoint}")
-        try:
-            _send(self._sock, [peer_id.encode(), codec.encode(msg)], self._timeout_ms,
-                  f"send to {peer_id}")
-        except TransportError:
-            raise
+        _send(self._sock, [peer_id.encode(), codec.encode(msg)], self._timeout_ms,
+              f"send to {peer_id}")
         self.stats.sent += 1
 
     def forget(self, peer_id: str) -> None:

@@ -280,7 +280,7 @@ class TrainerService(Service):
         trajs = [t for g in groups for t in g.trajectories()]
         ids = [t.trajectory_id for t in trajs]
         self._tokens_consumed += result.tokens
-        self._log_consumed(ids, groups)
+        self._log_consumed(ids)
         self._unacked.extend(ids)
         staleness = [consume_version - t.policy_version for t in trajs]
         elapsed = time.monotonic() - self._t_first_step
@@ -318,7 +318,7 @@ class TrainerService(Service):
         except LaminarError as exc:
             log.warning("could not write the status snapshot to etcd: %s", exc)
 
-    def _log_consumed(self, ids: list[str], groups: list[Group]) -> None:
+    def _log_consumed(self, ids: list[str]) -> None:
         with open(self.run_dir / "consumed.jsonl", "a") as fh:
             fh.write(json.dumps({"step": self.step, "version": self.version, "ids": ids}) + "\n")
 
