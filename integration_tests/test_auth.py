@@ -80,3 +80,31 @@ def test_authenticated_peers_work_and_others_are_refused(etcd, spawn, tmp_path):
         c.close()
     assert relay.alive() and manager.alive() and worker.alive()
     coord.close()
+
+
+def test_etcd_user_password_authentication():
+    """etcd with auth on: the right user/password works end to end, others are refused."""
+    import pyetcd
+    from pyetcd import etcdrpc
+
+    from laminar_common.errors import EtcdUnavailableError
+    from laminar_common.launcher_etcd import LocalEtcd
+    from laminar_common.membership import MemberRecord
+
+    with LocalEtcd() as server:
+        host, port = server.endpoint.split(":")
+        admin = pyetcd.client(host, int(port))
+        admin.authstub.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password="s3cret"))
+        admin.authstub.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"))
+        admin.authstub.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"))
+        admin.authstub.AuthEnable(etcdrpc.AuthEnableRequest())
+        admin.close()
+        coord = EtcdCoordinator([server.endpoint], JOB, user="root", password="s3cret")
+        coord.register(MemberRecord(member_id="w", role="worker"))
+        assert "w" in coord.members()
+        with pytest.raises(EtcdUnavailableError):
+            EtcdCoordinator([server.endpoint], JOB, connect_timeout_s=1).members()
+        with pytest.raises(EtcdUnavailableError):
+            EtcdCoordinator([server.endpoint], JOB, connect_timeout_s=1, user="root",
+                            password="wrong")
+        coord.close()

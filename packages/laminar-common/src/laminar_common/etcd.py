@@ -121,9 +121,14 @@ class EtcdCoordinator(Coordinator):
             pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=0.2)
             for host, port in self.endpoints
         ]
-        return pyetcd.MultiEndpointEtcd3Client(
+        client = pyetcd.MultiEndpointEtcd3Client(
             endpoints=eps, timeout=self._rpc_timeout, user=user, password=password, failover=True
         )
+        if creds is None:
+            # gRPC refuses call credentials on a plaintext channel; etcd reads the auth
+            # token from the request metadata, which the client sends as well.
+            client.call_credentials = None
+        return client
 
     def _connect(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
