@@ -14,6 +14,8 @@ from laminar_common.tasks import (
     extract_answer,
     find_overlap,
     make_task_records,
+    parse_difficulty,
+    plausible_mistake,
     read_jsonl,
     score_completion,
     score_exact_answer,
@@ -173,3 +175,49 @@ def test_tasks_module_imports_no_heavy_dependency():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_plausible_mistakes_are_the_documented_wrong_answers():
+    assert plausible_mistake({"task": "sort", "prompt": "sort 3142="}) == "3142"
+    assert plausible_mistake({"task": "reverse", "prompt": "reverse 305="}) == "305"
+    assert plausible_mistake({"task": "add", "prompt": "add 57+68="}) == "15"  # 5+6, 7+8 mod 10
+    assert plausible_mistake({"task": "add", "prompt": "add 0+0="}) == "0"
+    records = make_task_records("sort", 300, seed=4)
+    wrong = [r for r in records if plausible_mistake(r) != r["answer"]]
+    # An already sorted list is the only case where the mistake is right.
+    assert all(plausible_mistake(r) == r["answer"] for r in records
+               if list(r["prompt"][5:-1]) == sorted(r["prompt"][5:-1]))
+    assert len(wrong) > 0.7 * len(records)
+
+
+def test_plausible_mistake_refuses_a_prompt_of_another_task():
+    with pytest.raises(ValueError, match="is not a 'sort' prompt"):
+        plausible_mistake({"task": "sort", "prompt": "reverse 12="})
+    with pytest.raises(ValueError, match="is not a 'add' prompt"):
+        plausible_mistake({"task": "add", "prompt": "add 1-2="})
+    with pytest.raises(ValueError, match="unknown task"):
+        plausible_mistake({"task": "mul", "prompt": "mul 1*2="})
+
+
+def test_parse_difficulty_names_the_bad_item():
+    assert parse_difficulty("sort", ["max_len=4", "min_len=3"]) == {"max_len": 4, "min_len": 3}
+    with pytest.raises(ValueError, match=r"'len=4'.*accepts \['max_digit', 'max_len', 'min_len'\]"):
+        parse_difficulty("sort", ["len=4"])
+    with pytest.raises(ValueError, match="'max_len=x'.*not an integer"):
+        parse_difficulty("sort", ["max_len=x"])
+    with pytest.raises(ValueError, match="expected KEY=INT"):
+        parse_difficulty("add", ["max_digits"])
+
+
+def test_prompts_cli_applies_difficulty_and_refuses_bad_keys(tmp_path):
+    out = tmp_path / "p.jsonl"
+    ok = subprocess.run([sys.executable, "-m", "laminar_common.cli", "prompts", "--n", "50",
+                         "--difficulty", "max_len=3", "--out", str(out)],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert max(len(r["answer"]) for r in read_jsonl(out)) == 3
+    bad = subprocess.run([sys.executable, "-m", "laminar_common.cli", "prompts", "--n", "5",
+                          "--difficulty", "maxlen=3", "--out", str(tmp_path / "q.jsonl")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "'maxlen=3'" in bad.stderr
+    assert not (tmp_path / "q.jsonl").exists()

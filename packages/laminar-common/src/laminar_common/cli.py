@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--split", choices=("train", "eval"), default="train", help="split")
     pr.add_argument("--seed", type=int, default=0, help="seed")
     pr.add_argument("--out", required=True, help="output .jsonl path")
+    pr.add_argument("--difficulty", action="append", default=[], metavar="KEY=INT",
+                    help="task difficulty override, e.g. max_len=6 (repeatable)")
 
     k = sub.add_parser("keys", help="create CURVE keys and TLS certificates for a job")
     k.add_argument("--out", required=True, help="output directory (auth.dir of every tier)")
@@ -146,13 +148,19 @@ def _cmd_report(args) -> int:
 def _cmd_prompts(args) -> int:
     from pathlib import Path
 
-    from .tasks import make_task_records, write_jsonl
+    from .tasks import make_task_records, parse_difficulty, write_jsonl
 
+    try:
+        records = make_task_records(args.task, args.n, args.seed, split=args.split,
+                                    **parse_difficulty(args.task, args.difficulty))
+    except ValueError as exc:
+        print(f"laminar prompts: {exc}", file=sys.stderr)
+        return 2
     if Path(args.out).is_file():
         print(f"{args.out} exists; leaving it")
         return 0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    n = write_jsonl(args.out, make_task_records(args.task, args.n, args.seed, split=args.split))
+    n = write_jsonl(args.out, records)
     print(f"wrote {n} {args.task} records ({args.split}) to {args.out}")
     return 0
 

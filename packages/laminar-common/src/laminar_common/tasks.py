@@ -44,7 +44,7 @@ import hashlib
 import json
 import random
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -60,7 +60,9 @@ __all__ = [
     "extract_answer",
     "find_overlap",
     "make_task_records",
+    "parse_difficulty",
     "read_jsonl",
+    "plausible_mistake",
     "score_completion",
     "score_exact_answer",
     "split_of",
@@ -94,6 +96,8 @@ class Task:
     draw: Callable[..., tuple[str, str]]
     defaults: Mapping[str, int] = field(default_factory=dict)
     description: str = ""
+    mistake: Callable[[str], str] | None = None
+    """Maps a prompt to a plausible wrong answer (see ``plausible_mistake``)."""
 
 
 def _check_range(name_lo: str, lo: int, name_hi: str, hi: int, floor: int) -> None:
@@ -103,19 +107,25 @@ def _check_range(name_lo: str, lo: int, name_hi: str, hi: int, floor: int) -> No
         )
 
 
-def _draw_digits(rng: random.Random, min_len: int, max_len: int) -> str:
+def _draw_digits(rng: random.Random, min_len: int, max_len: int, max_digit: int) -> str:
     _check_range("min_len", min_len, "max_len", max_len, floor=1)
+    if not 0 <= max_digit <= 9:
+        raise ValueError(f"max_digit must be in 0..9, got {max_digit}")
     length = rng.randint(min_len, max_len)
-    return "".join(rng.choice("0123456789") for _ in range(length))
+    return "".join(str(rng.randint(0, max_digit)) for _ in range(length))
 
 
-def _draw_sort(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str]:
-    digits = _draw_digits(rng, min_len, max_len)
+def _draw_sort(
+    rng: random.Random, min_len: int, max_len: int, max_digit: int
+) -> tuple[str, str]:
+    digits = _draw_digits(rng, min_len, max_len, max_digit)
     return f"sort {digits}=", "".join(sorted(digits))
 
 
-def _draw_reverse(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str]:
-    digits = _draw_digits(rng, min_len, max_len)
+def _draw_reverse(
+    rng: random.Random, min_len: int, max_len: int, max_digit: int
+) -> tuple[str, str]:
+    digits = _draw_digits(rng, min_len, max_len, max_digit)
     return f"reverse {digits}=", digits[::-1]
 
 
@@ -132,24 +142,50 @@ def _draw_add(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str
     return f"add {a}+{b}=", str(a + b)
 
 
+def _operands(prompt: str, verb: str) -> str:
+    return prompt[len(verb) + 1 : -1]
+
+
+def _mistake_sort(prompt: str) -> str:
+    # The list as given: the copy a model falls back to before it can sort.
+    return _operands(prompt, "sort")
+
+
+def _mistake_reverse(prompt: str) -> str:
+    return _operands(prompt, "reverse")
+
+
+def _mistake_add(prompt: str) -> str:
+    # Digit-wise sum with the carries dropped.
+    a, b = (int(x) for x in _operands(prompt, "add").split("+"))
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return str(out)
+
+
 TASKS: dict[str, Task] = {
     "sort": Task(
         name="sort",
         draw=_draw_sort,
-        defaults={"min_len": 2, "max_len": 8},
+        defaults={"min_len": 2, "max_len": 6, "max_digit": 9},
         description="sort a list of digits ascending",
+        mistake=_mistake_sort,
     ),
     "reverse": Task(
         name="reverse",
         draw=_draw_reverse,
-        defaults={"min_len": 2, "max_len": 8},
+        defaults={"min_len": 2, "max_len": 6, "max_digit": 9},
         description="reverse a list of digits",
+        mistake=_mistake_reverse,
     ),
     "add": Task(
         name="add",
         draw=_draw_add,
         defaults={"min_digits": 1, "max_digits": 3},
         description="add two non-negative integers",
+        mistake=_mistake_add,
     ),
 }
 
@@ -169,6 +205,53 @@ def split_of(prompt: str) -> str:
     """
     digest = hashlib.sha256(prompt.encode("utf-8")).digest()
     return "eval" if int.from_bytes(digest[:8], "big") % EVAL_BUCKETS == 0 else "train"
+
+
+def parse_difficulty(task: str, items: Sequence[str]) -> dict[str, int]:
+    """Parse ``KEY=INT`` strings (a CLI's ``--difficulty``) for ``task``.
+
+    Raises:
+        ValueError: unknown task or key, an item without ``=``, or a value
+            that is not an integer; the message names the item.
+    """
+    spec = _get_task(task)
+    out: dict[str, int] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"difficulty {item!r}: expected KEY=INT")
+        if key not in spec.defaults:
+            raise ValueError(
+                f"difficulty {item!r}: task {task!r} accepts {sorted(spec.defaults)}"
+            )
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ValueError(f"difficulty {item!r}: {value!r} is not an integer") from None
+    return out
+
+
+def plausible_mistake(record: Mapping[str, str]) -> str:
+    """The task's systematic wrong answer to ``record``'s prompt.
+
+    ``sort`` and ``reverse``: the digits as given; ``add``: the sum with its
+    carries dropped. It equals the right answer on some prompts (an already
+    sorted list, a palindrome, a sum without carries). Used to build noisy
+    demonstrations for a warm start that RL then has to correct.
+
+    Raises:
+        ValueError: unknown task, or a prompt not of the task's form.
+    """
+    spec = _get_task(record["task"])
+    if spec.mistake is None:
+        raise ValueError(f"task {spec.name!r} defines no plausible mistake")
+    prompt = record["prompt"]
+    if not prompt.startswith(spec.name + " ") or not prompt.endswith("="):
+        raise ValueError(f"prompt {prompt!r} is not a {spec.name!r} prompt")
+    try:
+        return spec.mistake(prompt)
+    except ValueError as exc:
+        raise ValueError(f"prompt {prompt!r} is not a {spec.name!r} prompt: {exc}") from exc
 
 
 def make_task_records(
