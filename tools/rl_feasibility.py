@@ -12,10 +12,19 @@ This is a tool, not the trainer: no relay, no rollout tier, no asynchrony.
 Its defaults are the settings chosen for the demo (see the trainer README);
 the real distributed run adds overhead on top of the compute measured here.
 
+Measured on this 2-core CPU with the defaults (demo_error_rate 0.6, 150
+warm-start steps, 32 prompts x 8 samples per step, lr 2e-4): seed 0 held-out
+greedy accuracy 34.4% -> 81.6% after 30 steps (55% at step 10), seed 1
+16.4% -> 84.0% after 20 steps; about 1 s per RL step. With clean
+demonstrations (``--demo-error-rate 0``) the same loop gained about 11 points
+in 40 steps from a 75-step warm start (46% -> 57%) and lost accuracy from a
+91% one: exact-match reward has little to amplify once greedy and sampled
+answers agree, and little to find when the skill is absent.
+
 Example::
 
     python tools/rl_feasibility.py --seed 0
-    python tools/rl_feasibility.py --seed 1 --rl-steps 60 --lr 5e-4
+    python tools/rl_feasibility.py --seed 1 --demo-error-rate 0 --target-accuracy 0.5
 """
 
 from __future__ import annotations
@@ -34,13 +43,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--task", default="sort", help="laminar_common.tasks.TASKS key")
     parser.add_argument("--min-len", type=int, default=None, help="sort/reverse: shortest list")
     parser.add_argument("--max-len", type=int, default=None, help="sort/reverse: longest list")
+    parser.add_argument("--max-digit", type=int, default=None, help="sort/reverse: largest digit")
     parser.add_argument("--max-digits", type=int, default=None, help="add: longest operand")
     parser.add_argument("--seed", type=int, default=0, help="seeds init, data, sampling")
     parser.add_argument("--hidden-size", type=int, default=None)
     parser.add_argument("--num-layers", type=int, default=None)
-    parser.add_argument("--warm-steps", type=int, default=None, help="supervised warm-start steps")
-    parser.add_argument("--rl-steps", type=int, default=80, help="GRPO optimizer steps")
-    parser.add_argument("--prompts-per-step", type=int, default=64)
+    parser.add_argument(
+        "--warm-steps", type=int, default=None, help="most warm-start steps (default: model's)"
+    )
+    parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=None,
+        help="stop the warm start once its dev accuracy reaches this (default: run all steps)",
+    )
+    parser.add_argument(
+        "--demo-error-rate",
+        type=float,
+        default=0.6,
+        help="fraction of warm-start demonstrations answering with the task's plausible mistake",
+    )
+    parser.add_argument("--rl-steps", type=int, default=30, help="GRPO optimizer steps")
+    parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     parser.add_argument("--lr", type=float, default=2e-4, help="RL AdamW learning rate")
     parser.add_argument(
@@ -54,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
     )
     parser.add_argument("--n-eval", type=int, default=256, help="held-out records")
-    parser.add_argument("--eval-every", type=int, default=20, help="RL steps between evals")
+    parser.add_argument("--eval-every", type=int, default=10, help="RL steps between evals")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--out-dir", default=None, help="warm-start dir (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the summary to this file")
@@ -84,6 +108,7 @@ def run(args: argparse.Namespace) -> dict:
         for key, value in (
             ("min_len", args.min_len),
             ("max_len", args.max_len),
+            ("max_digit", args.max_digit),
             ("max_digits", args.max_digits),
         )
         if value is not None and key in TASKS[args.task].defaults
@@ -94,6 +119,7 @@ def run(args: argparse.Namespace) -> dict:
         if value is not None
     }
     warm_steps = DEFAULT_WARM_START_STEPS if args.warm_steps is None else args.warm_steps
+    target = args.target_accuracy
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="laminar-feasibility-")
 
     started = time.perf_counter()
@@ -104,14 +130,17 @@ def run(args: argparse.Namespace) -> dict:
         args.seed,
         difficulty=difficulty,
         model_sizes=sizes,
+        target_accuracy=target or None,
         n_eval=args.n_eval,
+        demo_error_rate=args.demo_error_rate,
     )
     warm_seconds = time.perf_counter() - started
     model, tokenizer = warm.model, warm.tokenizer
     eval_records = make_task_records(args.task, args.n_eval, args.seed, "eval", **difficulty)
     max_new_tokens = max(len(r["answer"]) for r in eval_records) + 4
     print(
-        f"warm start: {warm_steps} steps, held-out greedy accuracy {warm.accuracy:.3f}, "
+        f"warm start: {warm.steps} steps (dev accuracy {warm.dev_accuracy}), "
+        f"held-out greedy accuracy {warm.accuracy:.3f}, "
         f"{warm_seconds:.1f}s",
         flush=True,
     )
@@ -192,7 +221,11 @@ def run(args: argparse.Namespace) -> dict:
         "difficulty": difficulty,
         "seed": args.seed,
         "model_sizes": sizes or "default",
-        "warm_steps": warm_steps,
+        "warm_steps": warm.steps,
+        "warm_max_steps": warm_steps,
+        "warm_target_accuracy": target or None,
+        "warm_dev_accuracy": warm.dev_accuracy,
+        "demo_error_rate": args.demo_error_rate,
         "rl_steps": args.rl_steps,
         "prompts_per_step": args.prompts_per_step,
         "group_size": args.group_size,

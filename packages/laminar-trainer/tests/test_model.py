@@ -6,12 +6,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from laminar_common.tasks import TASK_ALPHABET, make_task_records, score_completion
+from laminar_common.tasks import (
+    TASK_ALPHABET,
+    make_task_records,
+    plausible_mistake,
+    score_completion,
+)
 from laminar_trainer.model import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
     UNK_ID,
+    _with_mistakes,
     build_tiny_model,
     build_tokenizer,
     compute_token_logprobs,
@@ -35,7 +41,16 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory, tokenizer):
     out = tmp_path_factory.mktemp("warm")
-    return warm_start(out, "sort", steps=8, seed=3, model_sizes=SMALL, batch_size=16, n_eval=16)
+    return warm_start(
+        out,
+        "sort",
+        steps=8,
+        seed=3,
+        model_sizes=SMALL,
+        batch_size=16,
+        target_accuracy=None,
+        n_eval=16,
+    )
 
 
 def test_tokenizer_is_character_level_with_fixed_special_ids(tokenizer):
@@ -121,7 +136,7 @@ def test_supervised_training_fits_a_small_set(tokenizer):
     torch.manual_seed(0)
     model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
     records = make_task_records("sort", 8, seed=0, max_len=3)
-    losses = train_supervised(model, tokenizer, records, 60, batch_size=8, lr=1e-2)
+    losses = train_supervised(model, tokenizer, records, 40, batch_size=8, lr=1e-2)
     assert losses[-1] < 0.5 * losses[0]
     assert evaluate_accuracy(model, tokenizer, records) >= 0.5
 
@@ -157,13 +172,82 @@ def test_warm_start_saves_a_directory_that_loads_offline(warm, monkeypatch):
 
 def test_warm_start_is_deterministic(warm, tmp_path):
     again = warm_start(
-        tmp_path, "sort", steps=8, seed=3, model_sizes=SMALL, batch_size=16, n_eval=16
+        tmp_path,
+        "sort",
+        steps=8,
+        seed=3,
+        model_sizes=SMALL,
+        batch_size=16,
+        target_accuracy=None,
+        n_eval=16,
     )
     for a, b in zip(warm.model.parameters(), again.model.parameters()):
         assert torch.equal(a, b)
     assert again.accuracy == warm.accuracy
 
 
+def test_supervised_training_stops_when_asked(tokenizer):
+    model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
+    records = make_task_records("sort", 8, seed=0, max_len=3)
+    calls = []
+
+    def should_stop(step):
+        calls.append(step)
+        return step >= 6
+
+    losses = train_supervised(
+        model, tokenizer, records, 100, batch_size=4, should_stop=should_stop, check_every=3
+    )
+    assert calls == [3, 6]
+    assert len(losses) == 6
+    assert model.training
+
+
+def test_warm_start_with_an_unreached_target_runs_every_step(tmp_path, caplog):
+    result = warm_start(
+        tmp_path,
+        "sort",
+        steps=4,
+        seed=0,
+        model_sizes=SMALL,
+        batch_size=8,
+        target_accuracy=1.0,
+        check_every=2,
+        n_dev=8,
+        n_eval=8,
+    )
+    summary = json.loads((tmp_path / "warm_start.json").read_text())
+    assert result.steps == 4 and summary["steps"] == 4 and summary["max_steps"] == 4
+    assert [step for step, _ in summary["dev_history"]] == [2, 4]
+    assert result.dev_accuracy == summary["dev_history"][-1][1] < 1.0
+    assert "below the target" in caplog.text
+
+
 def test_warm_start_rejects_unknown_size_fields(tmp_path):
     with pytest.raises(ValueError, match=r"unknown model size field\(s\) \['layers'\]"):
         warm_start(tmp_path, steps=0, model_sizes={"layers": 2})
+    with pytest.raises(ValueError, match="target_accuracy must be in"):
+        warm_start(tmp_path, steps=0, target_accuracy=0.0)
+
+
+def test_noisy_demonstrations_answer_with_the_plausible_mistake():
+    records = make_task_records("sort", 2000, seed=0)
+    noisy = _with_mistakes(records, 0.6, seed=0)
+    assert [r["prompt"] for r in noisy] == [r["prompt"] for r in records]
+    changed = [n for n, r in zip(noisy, records) if n["answer"] != r["answer"]]
+    mistaken = [n for n in noisy if n["answer"] == plausible_mistake(n)]
+    assert all(n["answer"] == plausible_mistake(n) for n in changed)
+    # ~60% draw the mistake; already sorted lists look the same either way.
+    assert 0.55 < len(mistaken) / len(records) < 0.7
+    assert records[0]["answer"] == make_task_records("sort", 1, seed=0)[0]["answer"]
+    assert _with_mistakes(records, 0.6, seed=0) == noisy
+
+
+def test_warm_start_records_its_demo_error_rate_and_refuses_bad_ones(tmp_path):
+    warm_start(tmp_path, "sort", steps=2, seed=0, model_sizes=SMALL, batch_size=8,
+               n_eval=4, demo_error_rate=0.6)
+    summary = json.loads((tmp_path / "warm_start.json").read_text())
+    assert summary["demo_error_rate"] == 0.6 and summary["steps"] == 2
+    with pytest.raises(ValueError, match=r"demo_error_rate must be in \[0, 1\), got 1.0"):
+        warm_start(tmp_path / "x", steps=1, demo_error_rate=1.0)
+    assert not (tmp_path / "x").exists()

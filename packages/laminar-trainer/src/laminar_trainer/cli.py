@@ -29,7 +29,14 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("warmstart", help="build, briefly supervise and save the demo's tiny model")
     w.add_argument("--out", required=True, help="output directory (save_pretrained)")
     w.add_argument("--task", default="sort", help="synthetic task (sort, reverse, add)")
-    w.add_argument("--steps", type=int, default=None, help="supervised steps")
+    w.add_argument("--steps", type=int, default=None,
+                   help="supervised steps (the most of them with --target-accuracy)")
+    w.add_argument("--difficulty", action="append", default=[], metavar="KEY=INT",
+                   help="task difficulty override, e.g. max_len=6 (repeatable)")
+    w.add_argument("--demo-error-rate", type=float, default=0.0,
+                   help="fraction of demonstrations answering with the task's plausible mistake")
+    w.add_argument("--target-accuracy", type=float, default=None,
+                   help="stop once greedy accuracy on unseen train prompts reaches this")
     w.add_argument("--seed", type=int, default=0, help="seed")
     w.add_argument("--force", action="store_true", help="rebuild even if --out holds a model")
     return p
@@ -40,6 +47,8 @@ def _warmstart(args) -> int:
 
     import torch
 
+    from laminar_common.tasks import parse_difficulty
+
     from .model import DEFAULT_WARM_START_STEPS, warm_start
 
     out = Path(args.out)
@@ -48,8 +57,15 @@ def _warmstart(args) -> int:
               f"({(out / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
         return 0
     torch.set_num_threads(2)
-    result = warm_start(out, task=args.task, seed=args.seed,
-                        steps=args.steps if args.steps is not None else DEFAULT_WARM_START_STEPS)
+    try:
+        result = warm_start(
+            out, task=args.task, seed=args.seed,
+            steps=args.steps if args.steps is not None else DEFAULT_WARM_START_STEPS,
+            difficulty=parse_difficulty(args.task, args.difficulty),
+            demo_error_rate=args.demo_error_rate, target_accuracy=args.target_accuracy)
+    except ValueError as exc:
+        print(f"laminar-trainer warmstart: {exc}", file=sys.stderr)
+        return 2
     print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
                                        if isinstance(v, (int, float, str))}))
     return 0

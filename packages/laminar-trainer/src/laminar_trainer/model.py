@@ -35,8 +35,9 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,12 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from laminar_common.tasks import TASK_ALPHABET, make_task_records, score_completion
+from laminar_common.tasks import (
+    TASK_ALPHABET,
+    make_task_records,
+    plausible_mistake,
+    score_completion,
+)
 
 __all__ = [
     "BOS_ID",
@@ -91,9 +97,10 @@ _CACHE_KWARG = (
 )
 
 DEFAULT_TASK = "sort"
-DEFAULT_WARM_START_STEPS = 200
+DEFAULT_WARM_START_STEPS = 150
 DEFAULT_WARM_START_LR = 1e-3
 DEFAULT_WARM_START_BATCH = 64
+DEFAULT_CHECK_EVERY = 5
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -142,7 +149,9 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        # Untied input/output embeddings: in the feasibility runs the warm start
+        # left less probability on non-answer characters than with tied ones.
+        tie_word_embeddings=False,
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
@@ -193,7 +202,9 @@ def pack_sequences(
 
 
 def compute_token_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Log-probability of each token given its prefix, for right-padded rows.
@@ -354,8 +365,14 @@ def train_supervised(
     batch_size: int = DEFAULT_WARM_START_BATCH,
     lr: float = DEFAULT_WARM_START_LR,
     warmup_steps: int = 20,
+    should_stop: Callable[[int], bool] | None = None,
+    check_every: int = DEFAULT_CHECK_EVERY,
 ) -> list[float]:
     """Teacher-force ``prompt + answer + <eos>``; the loss covers answer and ``<eos>`` only.
+
+    ``should_stop(step)``, if given, is called after every ``check_every``-th
+    step (``step`` counts completed steps) and ends training when it returns
+    True; the model is put back in train mode after each call.
 
     Batches walk through ``records`` in order (wrapping around); AdamW with a
     linear warmup, then constant ``lr`` (so a run of k steps is a prefix of a
@@ -365,10 +382,12 @@ def train_supervised(
         The loss of every step.
 
     Raises:
-        ValueError: ``steps < 0`` or no records.
+        ValueError: ``steps < 0``, ``check_every < 1`` or no records.
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if check_every < 1:
+        raise ValueError(f"check_every must be >= 1, got {check_every}")
     if not records:
         raise ValueError("train_supervised needs at least one record")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -394,6 +413,12 @@ def train_supervised(
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
+        done = step + 1
+        if should_stop is not None and done % check_every == 0:
+            stop = should_stop(done)
+            model.train()
+            if stop:
+                break
     return losses
 
 
@@ -405,6 +430,7 @@ class WarmStartResult:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerFast
     accuracy: float
+    dev_accuracy: float | None
     final_loss: float
     steps: int
     seconds: float
@@ -420,6 +446,17 @@ def _save(out_dir: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerF
     config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
+def _with_mistakes(
+    records: Sequence[Mapping[str, str]], rate: float, seed: int
+) -> list[dict[str, str]]:
+    """Copies of ``records`` where a ``rate`` fraction answer with the task's plausible mistake."""
+    rng = random.Random(f"demo-errors/{seed}")
+    return [
+        {**record, "answer": plausible_mistake(record)} if rng.random() < rate else dict(record)
+        for record in records
+    ]
+
+
 def warm_start(
     out_dir: str | Path,
     task: str = DEFAULT_TASK,
@@ -430,24 +467,48 @@ def warm_start(
     model_sizes: Mapping[str, int] | None = None,
     batch_size: int = DEFAULT_WARM_START_BATCH,
     lr: float = DEFAULT_WARM_START_LR,
+    target_accuracy: float | None = None,
+    check_every: int = DEFAULT_CHECK_EVERY,
+    n_dev: int = 128,
     n_eval: int = 256,
+    demo_error_rate: float = 0.0,
 ) -> WarmStartResult:
-    """Build the tiny model, train it briefly on ``task``, evaluate it and save it.
+    """Build the tiny model, train it on ``task`` until it is partly right, evaluate, save.
 
-    Training records come from the task's train split (seed ``seed``),
-    evaluation records from its eval split, so the reported accuracy is
-    held-out. ``out_dir`` ends up holding ``config.json``,
-    ``model.safetensors``, the tokenizer files and ``warm_start.json`` (the
-    settings and accuracy of this run).
+    Training records come from the task's train split (seed ``seed``). With
+    ``target_accuracy`` set, training stops at the first check (every
+    ``check_every`` steps) where greedy accuracy on ``n_dev`` unseen
+    train-split prompts (another seed) reaches it, or after ``steps``. The
+    reported ``accuracy`` is measured on ``n_eval`` records of the eval split,
+    which the stopping rule never sees. ``out_dir`` ends up holding
+    ``config.json``, ``model.safetensors``, the tokenizer files and
+    ``warm_start.json`` (the settings and accuracies of this run).
 
     Args:
         out_dir: directory to write (created if missing).
         task: a ``laminar_common.tasks.TASKS`` key.
-        steps: supervised steps (0 saves the random init).
+        steps: supervised steps, or the most of them with ``target_accuracy``
+            (0 saves the random init).
         seed: seeds the model init, the training data and the eval data.
         difficulty: overrides of the task's default difficulty.
         model_sizes: overrides of ``DEFAULT_MODEL_SIZES``.
+        target_accuracy: dev accuracy at which to stop; None trains ``steps``.
+            Why a target can beat a step count: on ``sort`` the model first
+            learns lists without repeated digits and only later, at a
+            seed-dependent step, gets repeated digits right; RL amplifies that
+            skill once it has emerged but rarely discovers it from an
+            exact-match reward alone (``tools/rl_feasibility.py``).
         n_eval: number of held-out records to measure greedy accuracy on.
+        demo_error_rate: fraction of the training demonstrations whose answer
+            is replaced by the task's plausible mistake
+            (``laminar_common.tasks.plausible_mistake``), drawn with a fixed
+            RNG. Above 0.5 the greedy policy mostly makes that mistake while
+            sampling still finds the right answer, which is the situation RL
+            with a verifiable reward corrects (the demo's setting).
+
+    Raises:
+        ValueError: unknown model size fields, a target outside (0, 1], or a
+            ``demo_error_rate`` outside [0, 1).
     """
     started = time.perf_counter()
     difficulty = dict(difficulty or {})
@@ -457,15 +518,46 @@ def warm_start(
         raise ValueError(
             f"unknown model size field(s) {unknown}; expected {sorted(DEFAULT_MODEL_SIZES)}"
         )
+    if target_accuracy is not None and not 0.0 < target_accuracy <= 1.0:
+        raise ValueError(f"target_accuracy must be in (0, 1], got {target_accuracy}")
+    if not 0.0 <= demo_error_rate < 1.0:
+        raise ValueError(f"demo_error_rate must be in [0, 1), got {demo_error_rate}")
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = sizes["max_position_embeddings"]
     model = build_tiny_model(len(tokenizer), seed=seed, **sizes)
     train_records = make_task_records(task, max(1, steps * batch_size), seed, "train", **difficulty)
+    if demo_error_rate > 0.0:
+        train_records = _with_mistakes(train_records, demo_error_rate, seed)
     eval_records = make_task_records(task, n_eval, seed, "eval", **difficulty)
+    dev_records = make_task_records(task, n_dev, seed + 1_000_000, "train", **difficulty)
+    dev_history: list[tuple[int, float]] = []
+
+    def reached_target(step: int) -> bool:
+        dev_history.append((step, evaluate_accuracy(model, tokenizer, dev_records)))
+        logger.info("warm start step %d: dev accuracy %.3f", step, dev_history[-1][1])
+        return dev_history[-1][1] >= target_accuracy
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         losses = train_supervised(
-            model, tokenizer, train_records, steps, batch_size=batch_size, lr=lr
+            model,
+            tokenizer,
+            train_records,
+            steps,
+            batch_size=batch_size,
+            lr=lr,
+            should_stop=reached_target if target_accuracy is not None else None,
+            check_every=check_every,
+        )
+    steps_done = len(losses)
+    dev_accuracy = dev_history[-1][1] if dev_history else None
+    if target_accuracy is not None and (dev_accuracy or 0.0) < target_accuracy:
+        logger.warning(
+            "warm start %s: dev accuracy %s after the maximum %d steps is below the target %.2f",
+            task,
+            dev_accuracy,
+            steps_done,
+            target_accuracy,
         )
     model.eval()
     accuracy = evaluate_accuracy(model, tokenizer, eval_records)
@@ -478,7 +570,12 @@ def warm_start(
         "task": task,
         "difficulty": difficulty,
         "model_sizes": sizes,
-        "steps": steps,
+        "steps": steps_done,
+        "max_steps": steps,
+        "target_accuracy": target_accuracy,
+        "demo_error_rate": demo_error_rate,
+        "dev_accuracy": dev_accuracy,
+        "dev_history": dev_history,
         "seed": seed,
         "batch_size": batch_size,
         "lr": lr,
@@ -491,9 +588,11 @@ def warm_start(
     logger.info(
         "warm start %s: %d steps, loss %.3f, held-out accuracy %.3f, %.1fs",
         task,
-        steps,
+        steps_done,
         final_loss,
         accuracy,
         seconds,
     )
-    return WarmStartResult(out, model, tokenizer, accuracy, final_loss, steps, seconds)
+    return WarmStartResult(
+        out, model, tokenizer, accuracy, dev_accuracy, final_loss, steps_done, seconds
+    )
