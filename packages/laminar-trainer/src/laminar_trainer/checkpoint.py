@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from laminar_common.errors import LaminarError
 
-__all__ = ["TrainerState", "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["TrainerState", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+           "read_optimizer_state"]
 
 
 @dataclass
@@ -37,35 +38,41 @@ class TrainerState:
     seed: int = 0
 
 
-def _flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = opt.state_dict()
+def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state dict (keyed by parameter index, or by name when gathered
+    from FSDP) as safetensors tensors ``"<param>/<state>"`` plus JSON metadata."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, float]] = {}
-    for idx, state in sd["state"].items():
+    int_keys = all(isinstance(k, int) for k in sd["state"])
+    for param, state in sd["state"].items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
+                tensors[f"{param}/{key}"] = value.detach().cpu().contiguous()
             else:
-                scalars.setdefault(str(idx), {})[key] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+                scalars.setdefault(str(param), {})[key] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars, "int_keys": int_keys}
 
 
 def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-    state: dict[int, dict[str, object]] = {}
+    key_of = int if meta.get("int_keys", True) else str
+    state: dict[int | str, dict[str, object]] = {}
     for name, tensor in tensors.items():
-        idx, key = name.split(".", 1)
-        state.setdefault(int(idx), {})[key] = tensor
-    for idx, values in meta["scalars"].items():
-        state.setdefault(int(idx), {}).update(values)
+        param, key = name.rsplit("/", 1)
+        state.setdefault(key_of(param), {})[key] = tensor
+    for param, values in meta["scalars"].items():
+        state.setdefault(key_of(param), {}).update(values)
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def save_checkpoint(root: str | os.PathLike[str], model, tokenizer,
                     optimizer: torch.optim.Optimizer | None, state: TrainerState,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, *, model_state: dict | None = None,
+                    optimizer_state: dict | None = None) -> Path:
     """Write one checkpoint atomically; keep the newest ``keep``. Returns its dir.
 
     ``model``, ``tokenizer`` and ``optimizer`` may be None (simulated training step).
+    ``model_state`` / ``optimizer_state``: full state dicts to write instead of
+    the objects' own (an FSDP trainer gathers them to rank 0 first).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -74,11 +81,13 @@ def save_checkpoint(root: str | os.PathLike[str], model, tokenizer,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     if model is not None:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=model_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    if optimizer is not None:
-        tensors, meta = _flatten_optimizer(optimizer)
+    if optimizer_state is None and optimizer is not None:
+        optimizer_state = optimizer.state_dict()
+    if optimizer_state is not None:
+        tensors, meta = _flatten_optimizer(optimizer_state)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(meta))
     (tmp / "trainer.json").write_text(json.dumps(state.__dict__))
@@ -113,9 +122,17 @@ def load_checkpoint(path: str | os.PathLike[str],
     try:
         state = TrainerState(**json.loads((path / "trainer.json").read_text()))
         if optimizer is not None:
-            meta = json.loads((path / "optimizer.json").read_text())
-            tensors = load_file(str(path / "optimizer.safetensors"))
-            optimizer.load_state_dict(_unflatten_optimizer(tensors, meta))
+            optimizer.load_state_dict(read_optimizer_state(path))
     except (OSError, ValueError, TypeError) as exc:
         raise LaminarError(f"checkpoint {path} cannot be read: {exc}") from exc
     return state
+
+
+def read_optimizer_state(path: str | os.PathLike[str]) -> dict:
+    """The optimizer state dict stored in checkpoint ``path`` (as it was saved)."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "optimizer.json").read_text())
+        return _unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), meta)
+    except (OSError, ValueError, KeyError) as exc:
+        raise LaminarError(f"checkpoint {path}: optimizer state cannot be read: {exc}") from exc

@@ -124,6 +124,9 @@ class TrainerConfig(LaminarModel):
     """Sampling temperature the workers use (log-probs are computed at it)."""
     wait_timeout_s: float = Field(default=600.0, gt=0)
     """Give up if no full step of data arrives for this long."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model trains: auto = CUDA (cuda:LOCAL_RANK) when available, else CPU.
+    Under torchrun (WORLD_SIZE > 1) the model is sharded with FSDP2 over the ranks."""
     buffer: BufferConfig = BufferConfig()
     """Experience buffer."""
     loss: LossConfig = LossConfig()

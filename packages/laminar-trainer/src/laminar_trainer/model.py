@@ -70,6 +70,7 @@ __all__ = [
     "encode_prompts",
     "evaluate_accuracy",
     "generate_completions",
+    "model_device",
     "pack_sequences",
     "train_supervised",
     "warm_start",
@@ -237,6 +238,11 @@ class Completions:
     finished: list[bool]
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s parameters (of the local shard for an FSDP model)."""
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
@@ -262,6 +268,7 @@ def generate_completions(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     was_training = model.training
     model.eval()
+    device = model_device(model)
     batch = len(prompt_ids)
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -269,10 +276,11 @@ def generate_completions(
     for row, p in enumerate(prompt_ids):
         input_ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
         attention_mask[row, width - len(p) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     past = None
     step_input, step_positions = input_ids, position_ids
-    done = torch.zeros(batch, dtype=torch.bool)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, token_logprobs = [], []
     for _ in range(max_new_tokens):
         out = model(
@@ -286,7 +294,7 @@ def generate_completions(
         logits = out.logits[:, -1].float()
         if temperature == 0.0:
             next_token = logits.argmax(-1)
-            next_logprob = torch.zeros(batch)
+            next_logprob = torch.zeros(batch, device=device)
         else:
             logprobs = torch.log_softmax(logits / temperature, dim=-1)
             next_token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
@@ -299,7 +307,9 @@ def generate_completions(
             break
         step_input = next_token.unsqueeze(-1)
         step_positions = step_positions[:, -1:] + 1
-        attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], 1)
+        attention_mask = torch.cat(
+            [attention_mask, torch.ones((batch, 1), dtype=torch.long, device=device)], 1
+        )
     model.train(was_training)
     token_matrix = torch.stack(tokens, 1).tolist()
     logprob_matrix = torch.stack(token_logprobs, 1).tolist()

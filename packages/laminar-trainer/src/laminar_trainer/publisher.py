@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["WeightPublisher", "Snapshot", "snapshot_model", "torch_dtype_name"]
+__all__ = ["WeightPublisher", "Snapshot", "snapshot_model", "snapshot_state", "torch_dtype_name"]
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,22 @@ class Snapshot:
 
 def snapshot_model(model: torch.nn.Module, version: int, step: int) -> Snapshot:
     """Copy every parameter to host memory (the stall the trainer pays)."""
+    return snapshot_state(model.state_dict(), version, step)
+
+
+def snapshot_state(state: dict[str, torch.Tensor], version: int, step: int,
+                   gathered_s: float = 0.0) -> Snapshot:
+    """A snapshot of a state dict (host copies); ``gathered_s`` counts into its time
+    (an FSDP trainer gathers the full state first)."""
     t0 = time.perf_counter()
     tensors = []
     nbytes = 0
-    for name, param in model.state_dict().items():
+    for name, param in state.items():
         host = param.detach().to("cpu", copy=True).contiguous().reshape(-1)
         view = memoryview(host.view(torch.uint8).numpy()) if host.numel() else memoryview(b"")
         tensors.append((name, torch_dtype_name(param.dtype), tuple(param.shape), view))
         nbytes += view.nbytes
-    return Snapshot(version, step, tensors, nbytes, time.perf_counter() - t0)
+    return Snapshot(version, step, tensors, nbytes, gathered_s + time.perf_counter() - t0)
 
 
 @dataclass

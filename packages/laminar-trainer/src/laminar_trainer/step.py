@@ -17,7 +17,7 @@ import torch
 
 from .buffer import Group
 from .loss import compute_grpo_advantages, compute_kl_penalty, compute_policy_loss
-from .model import compute_token_logprobs, pack_sequences
+from .model import compute_token_logprobs, model_device, pack_sequences
 
 __all__ = ["StepResult", "make_optimizer", "train_step"]
 
@@ -58,8 +58,17 @@ def _micro_batches(groups: list[Group], size: int) -> list[list[Group]]:
     return [groups[i:i + size] for i in range(0, len(groups), size)]
 
 
-def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=None) -> StepResult:
-    """Forward, backward and one optimizer step over ``groups``; returns loss and stats."""
+def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=None,
+               dist=None) -> StepResult:
+    """Forward, backward and one optimizer step over ``groups``; returns loss and stats.
+
+    With ``dist`` (a ``laminar_trainer.distributed.DistContext`` of an FSDP
+    model), ``groups`` is this rank's shard: FSDP averages the gradients over
+    the ranks during backward, and the loss and stats are averaged over them
+    here, so every rank returns the same numbers. Equal shards make a step on
+    N ranks the same update as one rank with N micro-batches.
+    """
+    device = model_device(model)
     trajs_all = [t for g in groups for t in g.trajectories()]
     total_tokens = sum(len(t.response_token_ids) for t in trajs_all)
     optimizer.zero_grad(set_to_none=True)
@@ -78,6 +87,8 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
         for row, t in enumerate(trajs):
             cols = comp_mask[row].nonzero().squeeze(-1)
             old[row, cols] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
+        input_ids, attn, comp_mask = input_ids.to(device), attn.to(device), comp_mask.to(device)
+        old, adv = old.to(device), adv.to(device)
         logprobs = compute_token_logprobs(model, input_ids, attn, cfg.temperature)
         loss, stats = compute_policy_loss(
             logprobs, old, adv[:, None].expand_as(logprobs), comp_mask,
@@ -95,7 +106,11 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
         loss_sum += float(loss.detach()) * share
         for key, value in stats.items():
             stats_sum[key] = stats_sum.get(key, 0.0) + float(value) * share
+    if dist is not None:
+        loss_sum, stats_sum = dist.mean_over_ranks(loss_sum, stats_sum)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor: the norm over every shard
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     scheduler.step()
     stats_sum["grad_norm"] = float(grad_norm)
