@@ -91,15 +91,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(dump_config(config))
         return 0
-    setup_logging(config.logging.level, config.job, config.trainer_id, config.logging.json_format)
-    logging.getLogger(__name__).info("resolved config:\n%s", dump_config(config))
-    from .service import TrainerService
+    from .distributed import init_distributed
 
     try:
-        return TrainerService(config, resume=args.resume).run_forever()
+        dist = init_distributed(config.device, config.batch_groups, config.wait_timeout_s + 600)
+    except LaminarError as exc:
+        print(f"laminar-trainer run: {exc}", file=sys.stderr)
+        return 2
+    member = config.trainer_id if dist is None else f"{config.trainer_id}/rank{dist.rank}"
+    setup_logging(config.logging.level, config.job, member, config.logging.json_format)
+    if dist is None or dist.is_main:
+        logging.getLogger(__name__).info("resolved config:\n%s", dump_config(config))
+    try:
+        if dist is not None and not dist.is_main:
+            from .training import run_follower
+
+            return run_follower(config, dist)
+        from .service import TrainerService
+
+        return TrainerService(config, resume=args.resume, dist=dist).run_forever()
     except LaminarError as exc:
         print(f"laminar-trainer run: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if dist is not None:
+            dist.close()
 
 
 if __name__ == "__main__":

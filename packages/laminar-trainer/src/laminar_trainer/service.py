@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 from laminar_common.codec import Ack, Trajectory
@@ -42,8 +43,10 @@ from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
 from .buffer import ExperienceBuffer, Group
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
-from .publisher import Snapshot, WeightPublisher, snapshot_model
-from .step import StepResult, make_optimizer, train_step
+from .distributed import Command, DistContext, encode_groups
+from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
+from .step import StepResult, train_step
+from .training import Training, build_training, evaluate_records, restore_training
 from .version import __version__
 
 __all__ = ["TrainerService"]
@@ -57,13 +60,15 @@ class TrainerService(Service):
     name = "trainer"
 
     def __init__(self, config: TrainerConfig, publish_fn=None, coordinator=None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, dist: DistContext | None = None) -> None:
         super().__init__()
         if config.model_dir is None and config.simulate is None:
             raise LaminarError("trainer: set model_dir (or simulate, for benchmarks)")
         self.config = config
         self.coordinator = coordinator
         self.resume = resume
+        self.dist = dist
+        self.training: Training | None = None
         self.publish_fn = publish_fn
         self.run_dir = Path(config.run_dir)
         self.step = 0
@@ -180,25 +185,18 @@ class TrainerService(Service):
         ckpt = latest_checkpoint(cfg.checkpoint.dir) if self.resume and cfg.checkpoint.dir else None
         if self.resume and ckpt is None:
             log.warning("--resume: no checkpoint in %s; starting fresh", cfg.checkpoint.dir)
+        state = None
         if cfg.simulate is None:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            source = str(ckpt) if ckpt is not None else cfg.model_dir
-            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-            self.model.train()
-            self.tokenizer = AutoTokenizer.from_pretrained(source)
-            if cfg.loss.kl_coef > 0:
-                self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_dir,
-                                                                      dtype=torch.float32)
-                self.ref_model.eval().requires_grad_(False)
-            self.optimizer, self.scheduler = make_optimizer(self.model, cfg.optim, cfg.total_steps)
-        if ckpt is not None:
-            state = load_checkpoint(ckpt, self.optimizer)
+            self.training = build_training(cfg, self.dist)
+            t = self.training
+            self.model, self.tokenizer, self.ref_model = t.model, t.tokenizer, t.ref_model
+            self.optimizer, self.scheduler = t.optimizer, t.scheduler
+            state = restore_training(t, ckpt, self.dist)
+        elif ckpt is not None:
+            state = load_checkpoint(ckpt, None)
+        if state is not None:
             self.step, self.version = state.step, state.version
             self.buffer.consumed = set(state.consumed)
-            if self.scheduler is not None:
-                for _ in range(self.step):
-                    self.scheduler.step()
             self._truncate_consumed_log(self.step)
             log.info("resumed from %s: step %d, version %d, %d consumed ids", ckpt, self.step,
                      self.version, len(state.consumed))
@@ -217,6 +215,11 @@ class TrainerService(Service):
         os.replace(tmp, path)
 
     def _snapshot(self) -> Snapshot:
+        if self.model is not None and self.dist is not None:
+            t0 = time.perf_counter()
+            self.dist.send_command(Command.GATHER)
+            full = self.dist.full_model_state(self.model)
+            return snapshot_state(full, self.version, self.step, time.perf_counter() - t0)
         if self.model is not None:
             return snapshot_model(self.model, self.version, self.step)
         t0 = time.perf_counter()
@@ -239,6 +242,13 @@ class TrainerService(Service):
                 self.buffer.add(msg)
 
     def _train_loop(self) -> None:
+        self._train_steps()
+        # Only on a clean exit: after a failure mid-collective the followers cannot
+        # read a command any more, and torchrun stops them when this rank exits.
+        if self.dist is not None:
+            self.dist.send_command(Command.STOP)
+
+    def _train_steps(self) -> None:
         cfg = self.config
         if cfg.eval.prompts and self.model is not None and self.step == 0:
             self.eval_before = self._evaluate()
@@ -264,7 +274,15 @@ class TrainerService(Service):
         consume_version = self.version
         if self._t_first_step is None:
             self._t_first_step = t0 - waited
-        if self.model is not None:
+        if self.model is not None and self.dist is not None:
+            self.dist.send_command(Command.STEP, encode_groups(groups))
+            result = train_step(self.model, self.optimizer, self.scheduler,
+                                groups[::self.dist.world_size], cfg, ref_model=self.ref_model,
+                                dist=self.dist)
+            trajs = [t for g in groups for t in g.trajectories()]
+            result.reward_mean = statistics.fmean(t.reward for t in trajs)
+            result.tokens = sum(len(t.response_token_ids) for t in trajs)
+        elif self.model is not None:
             result = train_step(self.model, self.optimizer, self.scheduler, groups, cfg,
                                 ref_model=self.ref_model)
         else:
@@ -329,8 +347,13 @@ class TrainerService(Service):
     def _checkpoint(self) -> None:
         t0 = time.monotonic()
         state = TrainerState(self.step, self.version, sorted(self.buffer.consumed), self.config.seed)
+        full: dict[str, dict | None] = {"model_state": None, "optimizer_state": None}
+        if self.model is not None and self.dist is not None:
+            self.dist.send_command(Command.CHECKPOINT)
+            full["model_state"] = self.dist.full_model_state(self.model)
+            full["optimizer_state"] = self.dist.full_optimizer_state(self.model, self.optimizer)
         save_checkpoint(self.config.checkpoint.dir, self.model, self.tokenizer, self.optimizer,
-                        state, keep=self.config.checkpoint.keep)
+                        state, keep=self.config.checkpoint.keep, **full)
         log.info("checkpoint at step %d in %.2fs", self.step, time.monotonic() - t0)
         self._ack()
 
@@ -354,16 +377,11 @@ class TrainerService(Service):
     def _evaluate(self) -> float:
         from laminar_common.tasks import read_jsonl
 
-        from .model import evaluate_accuracy
-
         records = read_jsonl(self.config.eval.prompts)[: self.config.eval.limit]
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                return evaluate_accuracy(self.model, self.tokenizer, records,
-                                         self.config.eval.max_new_tokens)
-        finally:
-            self.model.train()
+        budget = self.config.eval.max_new_tokens
+        if self.dist is not None:
+            self.dist.send_command(Command.EVAL, msgspec.msgpack.encode(records), budget)
+        return evaluate_records(self.training, records, budget)
 
     def _finish(self) -> None:
         cfg = self.config

@@ -1,0 +1,241 @@
+"""Multi-process trainers: torch.distributed with FSDP2 (``fully_shard``).
+
+A trainer runs on N ranks when started by ``torchrun`` (``WORLD_SIZE`` > 1)::
+
+    torchrun --nproc-per-node 8 -m laminar_trainer.cli run --config trainer.yaml
+
+Rank 0 is the trainer the rest of the stack sees: it owns the experience
+buffer, the trajectory socket, etcd membership, acks, publishing, checkpoints
+and metrics. Ranks > 0 are followers: they hold a shard of the model and
+optimizer and execute the collective part of whatever rank 0 does, in the same
+order. Rank 0 drives them with commands broadcast over the process group (a
+small header tensor, then a msgpack payload for a step's groups; nothing is
+pickled):
+
+- ``STEP``: every rank decodes the step's groups, trains on its shard
+  (``groups[rank::world]``); FSDP averages gradients during backward.
+- ``GATHER``: the full state dict is gathered to rank 0 (to publish weights).
+- ``CHECKPOINT``: full model and optimizer state are gathered to rank 0, which
+  writes them (``laminar_trainer.checkpoint``).
+- ``EVAL``: every rank decodes the same held-out prompts greedily (the forward
+  of a sharded model is a collective); rank 0 reports the accuracy.
+- ``STOP``: followers leave their loop.
+
+Devices: ``cuda:<LOCAL_RANK>`` with NCCL when CUDA is there and
+``device`` allows it, else CPU with gloo (this is how it is tested here). The
+commands always travel over gloo, on CPU tensors.
+
+Invariants: every rank sees the same command sequence; a step's groups split
+into equal shards (``batch_groups % world_size == 0``, checked at start); a
+single-process trainer (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) never touches
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from laminar_common.codec import Trajectory
+from laminar_common.errors import LaminarError
+
+from .buffer import Group
+
+__all__ = ["Command", "DistContext", "decode_groups", "encode_groups", "init_distributed",
+           "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+
+class Command:
+    """Command codes rank 0 broadcasts to its followers."""
+
+    STEP = 1
+    GATHER = 2
+    CHECKPOINT = 3
+    EVAL = 4
+    STOP = 5
+    NAMES = {1: "STEP", 2: "GATHER", 3: "CHECKPOINT", 4: "EVAL", 5: "STOP"}
+
+
+_GroupsWire = list[tuple[str, int, float, list[Trajectory]]]
+
+
+def encode_groups(groups: list[Group]) -> bytes:
+    """A step's groups as msgpack: ``[(prompt_id, group_size, weight, [trajectory...])]``."""
+    return msgspec.msgpack.encode(
+        [(g.prompt_id, g.group_size, g.weight, g.trajectories()) for g in groups])
+
+
+def decode_groups(payload: bytes) -> list[Group]:
+    """Inverse of :func:`encode_groups`; a bad payload raises ``LaminarError``."""
+    try:
+        rows = msgspec.msgpack.decode(payload, type=_GroupsWire)
+    except msgspec.DecodeError as exc:
+        raise LaminarError(f"STEP payload from rank 0 does not decode: {exc}") from exc
+    return [Group(prompt_id, size, {t.sample_index: t for t in trajs}, weight)
+            for prompt_id, size, weight, trajs in rows]
+
+
+def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
+    """``auto``: ``cuda:<local_rank>`` if CUDA is available, else CPU; or an explicit device."""
+    if setting == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() \
+            else torch.device("cpu")
+    if setting == "cuda":
+        if not torch.cuda.is_available():
+            raise LaminarError("trainer config: device is 'cuda' but CUDA is not available")
+        return torch.device(f"cuda:{local_rank}")
+    if setting == "cpu":
+        return torch.device("cpu")
+    raise LaminarError(f"trainer config: device must be auto, cpu or cuda, got {setting!r}")
+
+
+@dataclass
+class DistContext:
+    """This process's place in a multi-rank trainer (see module docstring)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    cpu_group: Any = None
+    mesh: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- commands -----------------------------------------------------------------
+
+    def send_command(self, command: int, payload: bytes = b"", arg: int = 0) -> None:
+        """Rank 0: broadcast a command (and its payload) to every follower."""
+        import torch.distributed as dist
+
+        header = torch.tensor([command, len(payload), arg], dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.cpu_group)
+        if payload:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            dist.broadcast(data, src=0, group=self.cpu_group)
+
+    def recv_command(self) -> tuple[int, bytes, int]:
+        """Followers: wait for rank 0's next command; returns (command, payload, arg)."""
+        import torch.distributed as dist
+
+        header = torch.zeros(3, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.cpu_group)
+        command, size, arg = (int(x) for x in header)
+        if command not in Command.NAMES:
+            raise LaminarError(f"rank {self.rank}: unknown command {command} from rank 0")
+        payload = b""
+        if size:
+            data = torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(data, src=0, group=self.cpu_group)
+            payload = data.numpy().tobytes()
+        return command, payload, arg
+
+    def broadcast_int(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank."""
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self.cpu_group)
+        return int(t.item())
+
+    # -- model --------------------------------------------------------------------
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2: each decoder layer, then the root (the usual wrapping for causal LMs)."""
+        from torch.distributed.fsdp import fully_shard
+
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        for layer in layers or ():
+            fully_shard(layer, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        return model
+
+    def mean_over_ranks(self, loss: float, stats: dict[str, float]) -> tuple[float, dict]:
+        """Average a step's loss and stats over the ranks (same keys on every rank)."""
+        import torch.distributed as dist
+
+        keys = sorted(stats)
+        values = torch.tensor([loss, *(stats[k] for k in keys)], dtype=torch.float64)
+        dist.all_reduce(values, group=self.cpu_group)
+        values /= self.world_size
+        return float(values[0]), {k: float(v) for k, v in zip(keys, values[1:])}
+
+    def full_model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded state dict on rank 0 (CPU tensors), ``{}`` elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def full_optimizer_state(self, model, optimizer) -> dict:
+        """Collective: the unsharded optimizer state on rank 0 (keyed by parameter name)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_state(self, model, optimizer, model_state: dict, optim_state: dict) -> None:
+        """Collective: rank 0's full model/optimizer state, sharded onto every rank."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, model_state, options=options)
+        set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(device_setting: str, batch_groups: int,
+                     timeout_s: float = 1800.0) -> DistContext | None:
+    """Join the process group if started by torchrun with ``WORLD_SIZE`` > 1; else None.
+
+    ``timeout_s`` bounds every collective, including followers waiting for
+    rank 0's next command while it waits for data.
+
+    Raises:
+        LaminarError: ``batch_groups`` does not split evenly over the ranks, or
+            the device setting cannot be honoured.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if batch_groups % world:
+        raise LaminarError(f"trainer config: batch_groups ({batch_groups}) must be a multiple "
+                           f"of the number of trainer ranks ({world})")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = resolve_device(device_setting, local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    mesh = init_device_mesh(device.type, (world,))
+    log.info("trainer rank %d of %d on %s", rank, world, device)
+    return DistContext(rank, world, local_rank, device, cpu_group, mesh)

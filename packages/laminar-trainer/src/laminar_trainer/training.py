@@ -1,0 +1,153 @@
+"""What a trainer rank holds: model, tokenizer, optimizer, schedule — and the follower loop.
+
+``build_training`` is called the same way on every rank (rank 0 inside
+``TrainerService``, ranks > 0 in ``run_follower``), so the FSDP shards, the
+optimizer and the LR schedule line up. ``restore_training`` restores a
+checkpoint: in one process from its files; across ranks rank 0 reads it and
+the full state is sharded from there (only rank 0 needs the checkpoint
+directory).
+
+``run_follower`` is the whole life of a rank > 0: build, restore if rank 0
+says so, then execute rank 0's commands (``laminar_trainer.distributed``)
+until ``STOP``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from laminar_common.errors import LaminarError
+
+from .checkpoint import TrainerState, load_checkpoint, read_optimizer_state
+from .config import TrainerConfig
+from .distributed import Command, DistContext, decode_groups, resolve_device
+from .step import make_optimizer, train_step
+
+__all__ = ["Training", "build_training", "evaluate_records", "restore_training", "run_follower"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Training:
+    model: Any
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    ref_model: Any
+    device: torch.device
+
+
+def build_training(cfg: TrainerConfig, ctx: DistContext | None) -> Training:
+    """Load ``cfg.model_dir`` on this rank's device (sharded with FSDP2 under torchrun)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = ctx.device if ctx is not None else resolve_device(cfg.device)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32).to(device)
+    model.train()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
+    ref_model = None
+    if cfg.loss.kl_coef > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
+        ref_model = ref_model.to(device).eval().requires_grad_(False)
+    if ctx is not None:
+        model = ctx.shard(model)
+        if ref_model is not None:
+            ref_model = ctx.shard(ref_model)
+    optimizer, scheduler = make_optimizer(model, cfg.optim, cfg.total_steps)
+    return Training(model, tokenizer, optimizer, scheduler, ref_model, device)
+
+
+def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | None
+                     ) -> TrainerState | None:
+    """Restore model, optimizer and schedule from ``ckpt`` (rank 0's choice on every rank).
+
+    Returns the checkpoint's trainer state on rank 0 (None without a checkpoint,
+    and on followers, which learn only the step).
+    """
+    if ctx is None:
+        if ckpt is None:
+            return None
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+        training.model.load_state_dict(saved.state_dict())
+        state = load_checkpoint(ckpt, training.optimizer)
+        _advance(training, state.step)
+        return state
+    state = load_checkpoint(ckpt, None) if ctx.is_main and ckpt is not None else None
+    step = ctx.broadcast_int(state.step if state is not None else -1)
+    if step < 0:
+        return None
+    model_state: dict = {}
+    optim_state: dict = {}
+    if ctx.is_main:
+        from transformers import AutoModelForCausalLM
+
+        model_state = AutoModelForCausalLM.from_pretrained(
+            str(ckpt), dtype=torch.float32).state_dict()
+        optim_state = read_optimizer_state(ckpt)
+    ctx.load_full_state(training.model, training.optimizer, model_state, optim_state)
+    _advance(training, step)
+    return state
+
+
+def _advance(training: Training, step: int) -> None:
+    # Fast-forward the LR schedule to ``step``; torch warns about scheduler steps
+    # without optimizer steps, which is exactly what a fast-forward is.
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+        for _ in range(step):
+            training.scheduler.step()
+
+
+def evaluate_records(training: Training, records: list[dict], max_new_tokens: int) -> float:
+    """Greedy held-out accuracy (every rank of a sharded model must call it alike)."""
+    from .model import evaluate_accuracy
+
+    training.model.eval()
+    try:
+        with torch.no_grad():
+            return evaluate_accuracy(training.model, training.tokenizer, records, max_new_tokens)
+    finally:
+        training.model.train()
+
+
+def run_follower(cfg: TrainerConfig, ctx: DistContext) -> int:
+    """A rank > 0: mirror rank 0's collectives until it sends ``STOP``; returns 0."""
+    if cfg.model_dir is None:
+        raise LaminarError("trainer config: a multi-rank trainer needs model_dir "
+                           "(the simulated step runs on one rank)")
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    training = build_training(cfg, ctx)
+    restore_training(training, None, ctx)
+    steps = 0
+    while True:
+        command, payload, arg = ctx.recv_command()
+        if command == Command.STEP:
+            groups = decode_groups(payload)
+            train_step(training.model, training.optimizer, training.scheduler,
+                       groups[ctx.rank::ctx.world_size], cfg, ref_model=training.ref_model,
+                       dist=ctx)
+            steps += 1
+        elif command == Command.GATHER:
+            ctx.full_model_state(training.model)
+        elif command == Command.CHECKPOINT:
+            ctx.full_model_state(training.model)
+            ctx.full_optimizer_state(training.model, training.optimizer)
+        elif command == Command.EVAL:
+            records = msgspec.msgpack.decode(payload, type=list[dict])
+            evaluate_records(training, records, arg)
+        elif command == Command.STOP:
+            log.info("rank %d: stop after %d steps", ctx.rank, steps)
+            return 0

@@ -1,0 +1,157 @@
+"""A trainer on two ranks (torchrun, gloo, FSDP2 on CPU) against the same trainer in one
+process: the same update, the same eval, and a checkpoint one process can resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from laminar_common.codec import Trajectory
+from laminar_common.errors import LaminarError
+from laminar_common.tasks import make_task_records
+from laminar_trainer.buffer import Group
+from laminar_trainer.checkpoint import latest_checkpoint
+from laminar_trainer.config import TrainerConfig
+from laminar_trainer.distributed import decode_groups, encode_groups, init_distributed
+from laminar_trainer.model import build_tiny_model, build_tokenizer
+from laminar_trainer.step import train_step
+from laminar_trainer.training import build_training, evaluate_records, restore_training
+
+HERE = Path(__file__).resolve().parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _groups(step: int, n_groups: int = 4, size: int = 2) -> list[Group]:
+    # Equal response lengths: a token mean over any equal split of the batch is then
+    # the mean over the whole batch, so two ranks and two micro-batches agree exactly.
+    gen = torch.Generator().manual_seed(step)
+    out = []
+    for g in range(n_groups):
+        trajs = {}
+        for i in range(size):
+            resp = tuple(int(x) for x in torch.randint(4, 30, (5,), generator=gen))
+            trajs[i] = Trajectory(
+                trajectory_id=f"s{step}g{g}#{i}", prompt_id=f"s{step}g{g}", group_size=size,
+                sample_index=i, worker_id="w", policy_version=0,
+                prompt_token_ids=(1, 10 + g, 11, 12), response_token_ids=resp,
+                behaviour_logprobs=tuple(float(x) for x in -torch.rand(5, generator=gen) - 2.5),
+                reward=float((g + i) % 2), finish_reason="stop")
+        out.append(Group(f"s{step}g{g}", size, trajs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("model")
+    tok = build_tokenizer()
+    build_tiny_model(len(tok), seed=1, hidden_size=32, num_layers=2, num_heads=2,
+                     intermediate_size=64).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def test_groups_round_trip_through_the_step_payload():
+    groups = _groups(0)
+    back = decode_groups(encode_groups(groups))
+    assert [(g.prompt_id, g.group_size, g.weight) for g in back] == \
+        [(g.prompt_id, g.group_size, g.weight) for g in groups]
+    assert [g.trajectories() for g in back] == [g.trajectories() for g in groups]
+    with pytest.raises(LaminarError, match="STEP payload from rank 0 does not decode"):
+        decode_groups(b"\x93garbage")
+
+
+def test_uneven_batch_groups_are_refused_before_joining(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(LaminarError, match=r"batch_groups \(4\) must be a multiple of the "
+                                           r"number of trainer ranks \(3\)"):
+        init_distributed("cpu", 4)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert init_distributed("cpu", 4) is None
+
+
+def test_two_ranks_make_the_same_update_as_one_process(model_dir, tmp_path):
+    cfg = {"model_dir": model_dir, "batch_groups": 4, "optim": {"lr": 1e-2}, "seed": 3}
+    out = tmp_path / "ranks"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(cfg))
+    steps = [_groups(s) for s in range(2)]
+    groups_file = tmp_path / "groups.msgpack"
+    groups_file.write_bytes(msgspec.msgpack.encode([encode_groups(g) for g in steps]))
+    records = make_task_records("sort", 12, seed=0, split="eval", max_len=3)
+    (out / "eval.json").write_text(json.dumps(records))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(_free_port()), str(HERE / "fsdp_ranks.py"), model_dir,
+         str(groups_file), str(out)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+
+    # The same two steps in one process, the batch split in two micro-batches.
+    torch.manual_seed(3)
+    single_cfg = TrainerConfig(**{**cfg, "optim": {"lr": 1e-2, "micro_batch_groups": 2}})
+    single = build_training(single_cfg, None)
+    losses = [train_step(single.model, single.optimizer, single.scheduler, g, single_cfg).loss
+              for g in steps]
+    assert losses == pytest.approx(result["losses"], abs=1e-5)
+    gathered = load_file(str(out / "gathered.safetensors"))
+    expected = single.model.state_dict()
+    assert set(gathered) == set(expected)
+    # Updates are ~lr = 1e-2 per element; summation order differs between the
+    # layouts, and Adam magnifies that on elements whose gradient is ~0.
+    for name, tensor in expected.items():
+        assert torch.allclose(gathered[name], tensor, atol=1e-4), name
+    initial = build_training(single_cfg, None).model.state_dict()
+    moved = sum(not torch.equal(initial[k], expected[k]) for k in expected)
+    assert moved == len(expected)  # every tensor took the update (lr 1e-2)
+    assert result["accuracy"] == evaluate_records(single, records, 8)
+
+    # The two-rank checkpoint resumes in one process: weights, optimizer, schedule.
+    resumed = build_training(single_cfg, None)
+    state = restore_training(resumed, latest_checkpoint(out / "ckpt"), None)
+    assert state.step == 2
+    for name, tensor in resumed.model.state_dict().items():
+        assert torch.equal(tensor, gathered[name]), name
+    mine = single.optimizer.state_dict()["state"]
+    theirs = resumed.optimizer.state_dict()["state"]
+    assert len(mine) == len(theirs)
+    for idx in mine:
+        assert torch.allclose(mine[idx]["exp_avg"], theirs[idx]["exp_avg"], atol=1e-5)
+        assert torch.allclose(mine[idx]["exp_avg_sq"], theirs[idx]["exp_avg_sq"], atol=1e-6)
+        assert float(mine[idx]["step"]) == float(theirs[idx]["step"]) == 2.0
+    assert resumed.scheduler.last_epoch == single.scheduler.last_epoch == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_step_on_cuda_matches_the_same_step_on_cpu(model_dir):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = {"model_dir": model_dir, "batch_groups": 4, "optim": {"lr": 1e-2}, "seed": 3}
+    runs = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(3)
+        dev_cfg = TrainerConfig(**cfg, device=device)
+        training = build_training(dev_cfg, None)
+        assert training.device.type == device
+        losses = [train_step(training.model, training.optimizer, training.scheduler,
+                             _groups(s), dev_cfg).loss for s in range(2)]
+        runs[device] = (losses, {k: v.cpu() for k, v in training.model.state_dict().items()})
+    assert runs["cuda"][0] == pytest.approx(runs["cpu"][0], abs=1e-4)
+    for name, tensor in runs["cpu"][1].items():
+        assert torch.allclose(runs["cuda"][1][name], tensor, atol=1e-3), name
