@@ -13,14 +13,20 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from conftest import wait_until
+from laminar_common.etcd import EtcdCoordinator
 from laminar_common.processes import ChildProcess
+from laminar_common.relay_client import RelayClient
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_GAIN = 0.20
@@ -76,28 +82,41 @@ def _common(etcd, job: str) -> list[str]:
             "--set", "etcd.ttl_s=3"]
 
 
-def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path):
-    job = "rl-resume"
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "laminar_trainer.cli", "warmstart", "--out", str(model),
-                    "--steps", "40", "--demo-error-rate", "0.6"],
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """A briefly warm-started model, train prompts and held-out prompts, shared by the
+    stack tests below."""
+    out = tmp_path_factory.mktemp("warm")
+    subprocess.run([sys.executable, "-m", "laminar_trainer.cli", "warmstart", "--out",
+                    str(out / "model"), "--steps", "40", "--demo-error-rate", "0.6"],
                    check=True, capture_output=True, timeout=600)
-    prompts = tmp_path / "train.jsonl"
-    subprocess.run([sys.executable, "-m", "laminar_common.cli", "prompts", "--n", "2000",
-                    "--seed", "1", "--out", str(prompts)],
-                   check=True, capture_output=True, timeout=60)
-    run_dir, ckpt, state_dir = tmp_path / "trainer", tmp_path / "ckpt", tmp_path / "manager"
+    for split, n in (("train", 2000), ("eval", 16)):
+        subprocess.run([sys.executable, "-m", "laminar_common.cli", "prompts", "--n", str(n),
+                        "--split", split, "--seed", "1", "--out", str(out / f"{split}.jsonl")],
+                       check=True, capture_output=True, timeout=60)
+    return out
+
+
+def _rollout_tiers(etcd, spawn, job: str, warm: Path, state_dir: Path):
     spawn("relay", "laminar_relay.cli", "serve", *_common(etcd, job), "--set", "member_id=relay-0",
           "--set", "bind_host=127.0.0.1", "--set", "advertise_host=127.0.0.1")
     manager = spawn("manager", "laminar_rollout.cli", "manage", *_common(etcd, job),
-                    "--set", f"prompts={prompts}", "--set", "group_size=4",
+                    "--set", f"prompts={warm / 'train.jsonl'}", "--set", "group_size=4",
                     "--set", "batch_groups=4", "--set", "max_staleness=1",
                     "--set", "sampling.max_tokens=10", "--set", f"state_dir={state_dir}")
     manager.wait_for_line("MANAGER READY", 60)
     worker = spawn("worker", "laminar_rollout.cli", "serve", *_common(etcd, job),
                    "--set", "worker_id=worker-0", "--set", "engine.type=torch",
-                   "--set", f"engine.model_dir={model}", "--set", "engine.max_batch=16",
+                   "--set", f"engine.model_dir={warm / 'model'}", "--set", "engine.max_batch=16",
                    "--set", "reward=laminar_rollout.rewards:synthetic_task")
+    return manager, worker
+
+
+def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path, warm):
+    job = "rl-resume"
+    model = warm / "model"
+    run_dir, ckpt, state_dir = tmp_path / "trainer", tmp_path / "ckpt", tmp_path / "manager"
+    manager, worker = _rollout_tiers(etcd, spawn, job, warm, state_dir)
     total_steps, every = 12, 3
     trainer_args = ("run", *_common(etcd, job), "--set", "trainer_id=trainer",
                     "--set", f"model_dir={model}", "--set", "batch_groups=4",
@@ -128,3 +147,74 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path)
     manager.stop()
     state = json.loads((state_dir / "manager_state.json").read_text())
     assert set(state["states"]["acked"]) == set(consumed)
+
+
+def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn, tmp_path,
+                                                                      warm):
+    """The trainer under torchrun (2 gloo ranks, FSDP2) in the real stack: the weights
+    gathered from the shards reach the relay and the worker, and its full-state
+    checkpoint resumes in one process."""
+    job = "rl-fsdp"
+    run_dir, ckpt, state_dir = tmp_path / "trainer", tmp_path / "ckpt", tmp_path / "manager"
+    manager, worker = _rollout_tiers(etcd, spawn, job, warm, state_dir)
+    steps = 4
+    trainer_args = ["run", *_common(etcd, job), "--set", "trainer_id=trainer",
+                    "--set", f"model_dir={warm / 'model'}", "--set", "batch_groups=4",
+                    "--set", f"run_dir={run_dir}", "--set", f"checkpoint.dir={ckpt}",
+                    "--set", "checkpoint.every_steps=2", "--set", "device=cpu",
+                    "--set", f"eval.prompts={warm / 'eval.jsonl'}",
+                    "--set", "eval.max_new_tokens=10", "--set", "eval.every_steps=2"]
+    trainer = spawn("trainer", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                    "-m", "laminar_trainer.cli", *trainer_args,
+                    "--set", f"total_steps={steps}", env={"OMP_NUM_THREADS": "1"})
+    trainer.wait_for_line(r"TRAINER DONE", 600)
+    assert trainer.proc.wait(60) == 0
+    log = Path(trainer.log_path).read_text()
+    assert "rank 1: stop after 4 steps" in log  # the follower took every step, then STOP
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["simulated_step"] is False
+    assert summary["eval_before"] is not None and summary["eval_after"] is not None
+    consumed = _consumed(run_dir)
+    assert len(consumed) == len(set(consumed)) == steps * 4 * 4
+    rows = _steps(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all("eval_accuracy" in r for r in rows if r["step"] % 2 == 0)
+    # The worker loaded the published versions: staleness stays within the
+    # manager's bound instead of growing with every step.
+    assert max(r["staleness_max"] for r in rows) <= 2
+
+    # The relay's latest version is byte for byte the weights of the last checkpoint.
+    coord = EtcdCoordinator([etcd.endpoint], job, ttl_s=3)
+    try:
+        client = RelayClient(coord, client_id="test-reader")
+        with client.fetch(wait_s=10, verify=True) as fetched:
+            assert fetched.version == summary["version"]
+            published = {t.name: (t.dtype, tuple(t.shape)) for t in fetched.manifest.tensors}
+            views = {name: bytes(view) for name, view in fetched.tensors().items()}
+    finally:
+        coord.close()
+    saved = load_file(str(ckpt / f"step-{steps:08d}" / "model.safetensors"))
+    assert set(published) == set(saved)
+    for name, tensor in saved.items():
+        assert published[name] == ("float32", tuple(tensor.shape)), name
+        assert views[name] == tensor.contiguous().view(torch.uint8).numpy().tobytes(), name
+
+    # The two-rank checkpoint resumes in a single process and goes on.
+    single = spawn("trainer-single", "laminar_trainer.cli", *trainer_args,
+                   "--set", f"total_steps={steps + 2}", "--resume")
+    resumed = single.wait_for_line(r"TRAINER READY \S+ step=(\d+)", 120)
+    assert int(resumed.group(1)) == steps
+    single.wait_for_line(r"TRAINER DONE", 600)
+    assert single.proc.wait(60) == 0
+    assert [r["step"] for r in _steps(run_dir)][-2:] == [steps + 1, steps + 2]
+    consumed = _consumed(run_dir)
+    assert len(consumed) == len(set(consumed)) == (steps + 2) * 4 * 4
+    assert worker.alive() and manager.alive()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
