@@ -16,7 +16,7 @@ from laminar_common.config import (
 )
 
 __all__ = ["TrainerConfig", "BufferConfig", "LossConfig", "OptimConfig", "CheckpointConfig",
-           "EvalConfig", "SimulateConfig"]
+           "EvalConfig", "SimulateConfig", "TrackingConfig", "TensorBoardConfig", "WandbConfig"]
 
 
 class BufferConfig(LaminarModel):
@@ -101,6 +101,36 @@ class SimulateConfig(LaminarModel):
     """Size of the simulated weights published each step."""
 
 
+class TensorBoardConfig(LaminarModel):
+    """TensorBoard event files (needs the ``tensorboard`` package)."""
+
+    dir: str | None = None
+    """Event-file directory (none: no TensorBoard)."""
+
+
+class WandbConfig(LaminarModel):
+    """Weights & Biases run (needs the ``wandb`` package)."""
+
+    project: str | None = None
+    """W&B project (none: no W&B)."""
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    """online: stream to the W&B server; offline: write locally (``wandb sync`` later);
+    disabled: no W&B even with project set."""
+    run_name: str | None = None
+    """Display name of the run (none: the trainer_id)."""
+    dir: str | None = None
+    """Where wandb writes its files (none: run_dir)."""
+
+
+class TrackingConfig(LaminarModel):
+    """Optional experiment trackers fed with the metrics.jsonl rows (all off by default)."""
+
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
+    """TensorBoard (on when tensorboard.dir is set)."""
+    wandb: WandbConfig = WandbConfig()
+    """Weights & Biases (on when wandb.project is set and mode is not disabled)."""
+
+
 class TrainerConfig(LaminarModel):
     """Config of ``laminar-trainer run``."""
 
@@ -139,6 +169,8 @@ class TrainerConfig(LaminarModel):
     """Held-out evaluation."""
     run_dir: str = "runs/latest"
     """Metrics (metrics.jsonl), consumed-id log and summary go here."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Metric rows also sent to TensorBoard and/or Weights & Biases (off by default)."""
     seed: int = 0
     """Seed of torch."""
     threads: int = Field(default=1, ge=1)

@@ -17,6 +17,11 @@ manager. Ids consumed after the last checkpoint are rolled back on a restart
 (``--resume``): the consumed log is cut back to the checkpoint, so no
 trajectory is trained twice in the surviving run, and none is lost (its
 worker still holds it, unacked, and sends it again).
+
+Tracking (optional, ``tracking``): every metrics.jsonl row, the held-out
+accuracy before and after training, and the summary also go to TensorBoard
+and/or W&B (``laminar_trainer.tracking``); a failing tracker is counted in the
+summary's ``tracker_errors`` and never stops training.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from pathlib import Path
 
 import msgspec
 import torch
+import yaml
 
 from laminar_common.codec import Ack, Trajectory
+from laminar_common.config import dump_config
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord
@@ -46,6 +53,7 @@ from .config import TrainerConfig
 from .distributed import Command, DistContext, encode_groups
 from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
 from .step import StepResult, train_step
+from .tracking import MultiTracker, make_trackers
 from .training import Training, build_training, evaluate_records, restore_training
 from .version import __version__
 
@@ -85,6 +93,7 @@ class TrainerService(Service):
         self.receiver: ZmqPullReceiver | None = None
         self.publisher: WeightPublisher | None = None
         self.metrics: MetricsServer | None = None
+        self.trackers = MultiTracker()
         self._curve = config.auth.curve()
         self._last_metrics: dict = {}
         self._acker: ZmqPushSender | None = None
@@ -104,6 +113,10 @@ class TrainerService(Service):
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.threads)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # First: a tracker asked for but not installed fails the start before etcd or the model.
+        # W&B records the config as the start-up log shows it (secrets masked).
+        self.trackers = make_trackers(cfg.tracking, self.run_dir, cfg.trainer_id,
+                                      yaml.safe_load(dump_config(cfg)))
         if self.coordinator is None:
             self.coordinator = make_coordinator(cfg.etcd, cfg.job)
         if self.publish_fn is None:
@@ -167,6 +180,7 @@ class TrainerService(Service):
         ]
 
     def _close(self) -> None:
+        self.trackers.close()
         if self.metrics is not None:
             self.metrics.stop()
         if self.publisher is not None:
@@ -252,6 +266,7 @@ class TrainerService(Service):
         cfg = self.config
         if cfg.eval.prompts and self.model is not None and self.step == 0:
             self.eval_before = self._evaluate()
+            self._track({"eval_accuracy": self.eval_before})
             print(f"EVAL before step 0: held-out accuracy {self.eval_before:.3f}", flush=True)
         while self.step < cfg.total_steps and not self.stopping.is_set():
             t0 = time.monotonic()
@@ -319,6 +334,7 @@ class TrainerService(Service):
                 and self.model is not None:
             metrics["eval_accuracy"] = self._evaluate()
         self._write_metrics(metrics)
+        self._track(metrics)
         self._last_metrics = metrics
         self._put_status(metrics)
         log.info("step %d v%d loss %.4f reward %.3f staleness %.2f tokens/s %.1f stall %.3fs",
@@ -343,6 +359,11 @@ class TrainerService(Service):
     def _write_metrics(self, metrics: dict) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(metrics) + "\n")
+
+    def _track(self, row: dict, prefix: str = "") -> None:
+        # The step is every tracker's x-axis and each stamps its own wall time.
+        self.trackers.log(self.step, {k: v for k, v in row.items() if k not in ("step", "time")},
+                          prefix)
 
     def _checkpoint(self) -> None:
         t0 = time.monotonic()
@@ -388,9 +409,15 @@ class TrainerService(Service):
         self.publisher.wait_idle(timeout_s=300)
         if cfg.eval.prompts and self.model is not None:
             self.eval_after = self._evaluate()
+            self._track({"eval_accuracy": self.eval_after})
             print(f"EVAL after step {self.step}: held-out accuracy {self.eval_after:.3f}",
                   flush=True)
         summary = self.summary()
+        self._track(summary, prefix="summary/")
+        # Closing flushes (W&B finishes its run); before summary.json, so that its
+        # tracker_errors counts every failure, logging the summary included.
+        self.trackers.close()
+        summary["tracker_errors"] = self.trackers.errors
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print("TRAINER DONE " + json.dumps(summary, sort_keys=True), flush=True)
         self.finished.set()
@@ -413,4 +440,5 @@ class TrainerService(Service):
             "send_mean_s": statistics.fmean(pub.send_s) if pub.send_s else 0.0,
             "buffer": vars(self.buffer.stats) | {"staleness": hist},
             "simulated_step": self.model is None, "run_dir": str(self.run_dir),
+            "tracker_errors": self.trackers.errors,
         }
