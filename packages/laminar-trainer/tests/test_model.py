@@ -38,19 +38,14 @@ def tokenizer():
     return build_tokenizer()
 
 
+# The warm start the module fixture makes (and the determinism test makes again).
+WARM = dict(steps=8, seed=3, model_sizes=SMALL, batch_size=16, target_accuracy=None, n_eval=16)
+
+
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory, tokenizer):
     out = tmp_path_factory.mktemp("warm")
-    return warm_start(
-        out,
-        "sort",
-        steps=8,
-        seed=3,
-        model_sizes=SMALL,
-        batch_size=16,
-        target_accuracy=None,
-        n_eval=16,
-    )
+    return warm_start(out, "sort", **WARM)
 
 
 def test_tokenizer_is_character_level_with_fixed_special_ids(tokenizer):
@@ -171,16 +166,7 @@ def test_warm_start_saves_a_directory_that_loads_offline(warm, monkeypatch):
 
 
 def test_warm_start_is_deterministic(warm, tmp_path):
-    again = warm_start(
-        tmp_path,
-        "sort",
-        steps=8,
-        seed=3,
-        model_sizes=SMALL,
-        batch_size=16,
-        target_accuracy=None,
-        n_eval=16,
-    )
+    again = warm_start(tmp_path, "sort", **WARM)
     for a, b in zip(warm.model.parameters(), again.model.parameters()):
         assert torch.equal(a, b)
     assert again.accuracy == warm.accuracy
