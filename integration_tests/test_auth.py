@@ -108,3 +108,64 @@ def test_etcd_user_password_authentication():
             EtcdCoordinator([server.endpoint], JOB, connect_timeout_s=1, user="root",
                             password="wrong")
         coord.close()
+
+
+def test_etcd_mutual_tls(tmp_path, spawn):
+    """etcd over mutual TLS with certificates from `laminar keys --etcd`.
+
+    A member with the CA and a client certificate registers and is seen by a
+    prefix watch and a get; a relay process given nothing but ``auth.dir``
+    reaches the same etcd over TLS; clients without the client certificate,
+    without the CA, or without TLS at all are refused within their connect
+    timeout, with an error naming the endpoint.
+    """
+    from conftest import wait_until
+    from laminar_common.errors import EtcdUnavailableError
+    from laminar_common.launcher_etcd import LocalEtcd
+    from laminar_common.membership import MemberRecord
+
+    keys = create_keys(tmp_path / "keys", etcd_hosts=[])
+    ca, cert, key = (str(keys / n) for n in ("etcd-ca.pem", "etcd-client.pem",
+                                             "etcd-client-key.pem"))
+    with LocalEtcd(tls_dir=keys) as server:
+        assert server.endpoint.startswith("https://127.0.0.1:")
+        bare = server.endpoint.removeprefix("https://")
+
+        watcher = EtcdCoordinator([server.endpoint], JOB, ttl_s=3, connect_timeout_s=10,
+                                  ca_cert=ca, client_cert=cert, client_key=key)
+        seen: list[str] = []
+        watcher.watch_members(lambda ev: seen.append(f"{ev.kind} {ev.member_id}"), role="worker")
+        # A bare host:port with a CA selects TLS just as https:// does.
+        member = EtcdCoordinator([bare], JOB, ttl_s=3, connect_timeout_s=10,
+                                 ca_cert=ca, client_cert=cert, client_key=key)
+        member.register(MemberRecord(member_id="w-tls", role="worker"))
+        assert wait_until(lambda: "put w-tls" in seen, 10), seen
+        assert member.registered
+        assert "w-tls" in watcher.members("worker")
+
+        # One switch: auth.dir alone gives a tier process etcd mutual TLS.
+        spawn("relay", "laminar_relay.cli", "serve", "--set", f"job={JOB}",
+              "--set", f"etcd.endpoints=[{bare}]", "--set", "etcd.ttl_s=3",
+              "--set", f"auth.dir={keys}", "--set", "member_id=relay-tls",
+              "--set", "bind_host=127.0.0.1", "--set", "advertise_host=127.0.0.1")
+        assert wait_until(lambda: "relay-tls" in watcher.members("relay"), 60)
+
+        refused = {
+            "no client certificate": dict(endpoints=[server.endpoint], ca_cert=ca),
+            "no CA (system roots)": dict(endpoints=[server.endpoint], client_cert=cert,
+                                         client_key=key),
+            "plaintext": dict(endpoints=[bare]),
+        }
+        for case, kwargs in refused.items():
+            endpoint = kwargs["endpoints"][0]
+            named = endpoint if "://" in endpoint else f"http://{endpoint}"
+            started = time.monotonic()
+            with pytest.raises(EtcdUnavailableError, match=re.escape(f"etcd at {named} ")) as info:
+                EtcdCoordinator(kwargs.pop("endpoints"), JOB, connect_timeout_s=2, **kwargs)
+            assert time.monotonic() - started < 15, case
+            hint = "If it serves TLS" if case == "plaintext" else "serving TLS?"
+            assert hint in str(info.value), (case, str(info.value))
+
+        member.close()
+        assert wait_until(lambda: "delete w-tls" in seen, 10), seen
+        watcher.close()

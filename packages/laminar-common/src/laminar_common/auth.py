@@ -13,7 +13,16 @@ gRPC (relay control plane): TLS with a CA written by ``laminar keys``
 (``ca.pem``, ``server.pem`` / ``server-key.pem`` for 127.0.0.1 and
 localhost, ``client.pem`` / ``client-key.pem`` for mutual TLS).
 
+etcd: ``laminar keys --etcd`` adds a separate etcd PKI with the same layout
+under an ``etcd-`` prefix (``etcd-ca.pem``, ``etcd-server.pem`` /
+``etcd-server-key.pem`` for the etcd server, ``etcd-client.pem`` /
+``etcd-client-key.pem`` for members). Where ``auth.dir`` holds
+``etcd-ca.pem``, every member reaches etcd over TLS (mutual when
+``etcd-client.pem`` is there too); see :func:`etcd_tls_paths`.
+
 Off by default (local runs); one config switch (``auth.dir``) turns it on.
+Existing files are never overwritten: running ``laminar keys`` again on a dir
+only adds what is missing.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import datetime
 import ipaddress
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +42,17 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from .errors import ConfigError
 
-__all__ = ["CurveAuth", "TlsFiles", "create_keys", "grpc_channel", "grpc_server_credentials",
-           "REFUSED"]
+__all__ = ["CurveAuth", "TlsFiles", "create_keys", "etcd_tls_paths", "grpc_channel",
+           "grpc_server_credentials", "REFUSED", "ETCD_CA", "ETCD_CLIENT_CERT", "ETCD_CLIENT_KEY",
+           "ETCD_SERVER_CERT", "ETCD_SERVER_KEY"]
 
 log = logging.getLogger(__name__)
+
+ETCD_CA = "etcd-ca.pem"
+ETCD_SERVER_CERT = "etcd-server.pem"
+ETCD_SERVER_KEY = "etcd-server-key.pem"
+ETCD_CLIENT_CERT = "etcd-client.pem"
+ETCD_CLIENT_KEY = "etcd-client-key.pem"
 
 REFUSED: collections.Counter[str] = collections.Counter()
 """CURVE client keys refused by this process's ZAP handler (z85 text -> count)."""
@@ -159,26 +176,72 @@ def _read(p: Path) -> bytes:
         raise ConfigError(f"auth: cannot read {p}: {exc}") from exc
 
 
-def create_keys(out: str | Path) -> Path:
-    """Write CURVE keypairs and a TLS CA + server/client certificates into ``out``."""
+def etcd_tls_paths(path: str | Path) -> dict[str, str]:
+    """The etcd TLS files an ``auth.dir`` holds, as :class:`~laminar_common.config.EtcdConfig` fields.
+
+    Returns:
+        ``{}`` when ``path`` has no ``etcd-ca.pem`` (etcd TLS stays off);
+        ``{"ca_cert": ...}`` plus ``client_cert`` / ``client_key`` when
+        ``etcd-client.pem`` and ``etcd-client-key.pem`` are there.
+
+    Raises:
+        ConfigError: only one of ``etcd-client.pem`` / ``etcd-client-key.pem`` exists.
+    """
+    d = Path(path)
+    if not (d / ETCD_CA).is_file():
+        return {}
+    out = {"ca_cert": str(d / ETCD_CA)}
+    cert, key = d / ETCD_CLIENT_CERT, d / ETCD_CLIENT_KEY
+    if cert.is_file() != key.is_file():
+        have, missing = (cert, key) if cert.is_file() else (key, cert)
+        raise ConfigError(f"auth.dir {str(d)!r}: {have.name} is there but {missing.name} is not; "
+                          "etcd mutual TLS needs both (or remove both for server-only TLS)")
+    if cert.is_file():
+        out.update(client_cert=str(cert), client_key=str(key))
+    return out
+
+
+def create_keys(out: str | Path, etcd_hosts: Sequence[str] | None = None) -> Path:
+    """Write CURVE keypairs and a TLS CA + server/client certificates into ``out``.
+
+    Args:
+        out: the directory (created if needed); it becomes ``auth.dir``.
+        etcd_hosts: when given (even empty), also write the etcd PKI
+            (``etcd-*.pem``); its server certificate names 127.0.0.1,
+            localhost and these hosts (DNS names or IP addresses).
+    """
     d = Path(out)
     (d / "authorized").mkdir(parents=True, exist_ok=True)
     for name in ("server", "client"):
         if not (d / f"{name}.key_secret").is_file():
             zmq.auth.create_certificates(str(d), name)
     (d / "authorized" / "client.key").write_bytes((d / "client.key").read_bytes())
-    _create_tls(d)
+    _create_tls(d, "", ())
+    if etcd_hosts is not None:
+        _create_tls(d, "etcd-", tuple(etcd_hosts))
     return d
 
 
-def _create_tls(d: Path) -> None:
+def _create_tls(d: Path, prefix: str, hosts: Sequence[str]) -> None:
+    """A CA plus one server and one client certificate, as ``<prefix>{ca,server,client}*.pem``.
+
+    The CA key is not kept, so an existing ``<prefix>ca.pem`` means the set is
+    complete and nothing is written.
+    """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    if (d / "ca.pem").is_file():
+    if (d / f"{prefix}ca.pem").is_file():
         return
+    sans: list[x509.GeneralName] = [x509.DNSName("localhost"),
+                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def pem_key(key) -> bytes:
@@ -186,25 +249,24 @@ def _create_tls(d: Path) -> None:
                                  serialization.NoEncryption())
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "laminar-ca")])
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"laminar-{prefix}ca")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
           .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=365))
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .sign(ca_key, hashes.SHA256()))
-    (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     for name in ("server", "client"):
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (x509.CertificateBuilder()
                    .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
-                                                               f"laminar-{name}")]))
+                                                               f"laminar-{prefix}{name}")]))
                    .issuer_name(ca_name).public_key(key.public_key())
                    .serial_number(x509.random_serial_number())
                    .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=365)))
         if name == "server":
-            builder = builder.add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
-        (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (d / f"{name}-key.pem").write_bytes(pem_key(key))
+        (d / f"{prefix}{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (d / f"{prefix}{name}-key.pem").write_bytes(pem_key(key))
+    # Written last: its presence is what marks the set complete.
+    (d / f"{prefix}ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))

@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("keys", help="create CURVE keys and TLS certificates for a job")
     k.add_argument("--out", required=True, help="output directory (auth.dir of every tier)")
+    k.add_argument("--etcd", action="store_true",
+                   help="also write an etcd CA, server and client certificate (etcd-*.pem): "
+                        "with them in auth.dir every tier reaches etcd over mutual TLS")
+    k.add_argument("--etcd-host", action="append", default=[], metavar="HOST",
+                   help="a DNS name or IP the etcd server certificate must name, besides "
+                        "127.0.0.1 and localhost (repeatable; implies --etcd)")
 
     s = sub.add_parser("status", help="show a job's members and latest weight version")
     s.add_argument("--etcd", default="127.0.0.1:2379", help="etcd endpoint host:port")
@@ -87,9 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "keys":
             from .auth import create_keys
 
-            out = create_keys(args.out)
+            etcd = args.etcd or bool(args.etcd_host)
+            out = create_keys(args.out, etcd_hosts=args.etcd_host if etcd else None)
             print(f"wrote CURVE keys and TLS certificates to {out}; set auth.dir={out} "
                   "in every tier's config")
+            if etcd:
+                print(f"etcd: run it with --cert-file {out}/etcd-server.pem --key-file "
+                      f"{out}/etcd-server-key.pem --trusted-ca-file {out}/etcd-ca.pem "
+                      "--client-cert-auth and https:// client URLs")
             return 0
         if args.cmd == "status":
             setup_logging("WARNING")

@@ -6,6 +6,9 @@ precedence ``defaults < file (YAML/TOML) < LAMINAR_* env < --set a.b=c``.
 
 Invariants: a config either validates completely or :class:`ConfigError` is
 raised naming every bad field path with a hint; nothing half-loaded escapes.
+A config holding both ``etcd`` and ``auth`` takes its etcd TLS files from
+``auth.dir`` when it has them and ``etcd`` names none (see
+:meth:`LaminarModel._etcd_tls_from_auth_dir`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, TypeVar
 
 import tomllib
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
 
@@ -28,6 +31,7 @@ __all__ = [
     "LoggingConfig",
     "MetricsConfig",
     "AuthConfig",
+    "check_etcd_tls",
     "load_config",
     "read_config_file",
     "apply_override",
@@ -43,12 +47,90 @@ class LaminarModel(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _etcd_tls_from_auth_dir(cls, data: Any) -> Any:
+        """Fill ``etcd``'s TLS files from ``auth.dir``, so that one switch secures every channel.
+
+        Applies to a model with ``etcd: EtcdConfig`` and ``auth: AuthConfig``
+        fields (every tier's config), only when ``auth.dir`` holds
+        ``etcd-ca.pem`` and ``etcd`` sets none of ``ca_cert`` / ``client_cert``
+        / ``client_key`` (explicit etcd settings win, all three together).
+        """
+        fields = cls.model_fields
+        if ("etcd" not in fields or "auth" not in fields or not isinstance(data, dict)
+                or fields["etcd"].annotation is not EtcdConfig
+                or fields["auth"].annotation is not AuthConfig):
+            return data
+        auth = data.get("auth")
+        auth_dir = auth.dir if isinstance(auth, AuthConfig) else (
+            auth.get("dir") if isinstance(auth, dict) else None)
+        if not isinstance(auth_dir, (str, os.PathLike)):
+            return data
+        etcd = data.get("etcd", {})
+        if isinstance(etcd, EtcdConfig):
+            etcd = etcd.model_dump()
+        if not isinstance(etcd, dict) or any(
+                etcd.get(k) is not None for k in ("ca_cert", "client_cert", "client_key")):
+            return data
+        from .auth import etcd_tls_paths
+
+        try:
+            tls = etcd_tls_paths(auth_dir)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from exc
+        if not tls:
+            return data
+        return {**data, "etcd": {**etcd, **tls}}
+
+
+def check_etcd_tls(endpoints: Iterable[str], ca_cert: str | None, client_cert: str | None,
+                   client_key: str | None) -> bool:
+    """Whether etcd is reached over TLS; checks that endpoints and TLS files agree.
+
+    TLS is on when ``ca_cert`` is set or the endpoints use ``https://``
+    (without ``ca_cert`` the system's roots verify the server). A bare
+    ``host:port`` follows ``ca_cert``; an explicit ``http://`` endpoint with
+    TLS files, or a mix of ``http://`` and ``https://``, is refused.
+
+    Raises:
+        ValueError: naming the offending field (``etcd.endpoints``,
+            ``etcd.client_cert`` ...) and what to do.
+    """
+    schemes = {}
+    for endpoint in endpoints:
+        scheme, sep, _ = endpoint.partition("://")
+        if sep and scheme not in ("http", "https"):
+            raise ValueError(f"etcd.endpoints: {endpoint!r} has scheme {scheme!r}; "
+                             "use host:port, http://host:port or https://host:port")
+        schemes[endpoint] = scheme if sep else None
+    if (client_cert is None) != (client_key is None):
+        have, missing = ("client_cert", "client_key") if client_key is None else (
+            "client_key", "client_cert")
+        raise ValueError(f"etcd.{have} is set but etcd.{missing} is not: set both "
+                         "(mutual TLS to etcd) or neither")
+    https = [e for e, s in schemes.items() if s == "https"]
+    http = [e for e, s in schemes.items() if s == "http"]
+    if https and http:
+        raise ValueError(f"etcd.endpoints mixes TLS ({https[0]!r}) and plaintext ({http[0]!r}); "
+                         "use one scheme for the whole cluster")
+    tls = bool(https) or ca_cert is not None
+    if http and (ca_cert is not None or client_cert is not None):
+        raise ValueError(f"etcd.endpoints: {http[0]!r} is plaintext but etcd TLS files are set "
+                         "(etcd.ca_cert / etcd.client_cert, given or taken from auth.dir); "
+                         "use https:// or a bare host:port")
+    if client_cert is not None and not tls:
+        raise ValueError("etcd.client_cert is set but TLS to etcd is off: set etcd.ca_cert "
+                         "or use https:// endpoints")
+    return tls
+
 
 class EtcdConfig(LaminarModel):
-    """Where etcd is and how this member holds its lease."""
+    """Where etcd is, how this member reaches it, and how it holds its lease."""
 
     endpoints: tuple[str, ...] = Field(default=("127.0.0.1:2379",), min_length=1)
-    """etcd client endpoints as ``host:port``; the first reachable one is used."""
+    """etcd client endpoints as ``host:port`` (or ``http://`` / ``https://host:port``);
+    the first reachable one is used. ``https://`` turns TLS on."""
     ttl_s: int = Field(default=10, ge=2, le=300)
     """Lease TTL in seconds: a member that stops refreshing vanishes after this."""
     connect_timeout_s: float = Field(default=30.0, gt=0)
@@ -58,7 +140,18 @@ class EtcdConfig(LaminarModel):
     password: str | None = None
     """etcd password for ``user``."""
     ca_cert: str | None = None
-    """Path of the CA certificate for TLS to etcd (TLS off when unset)."""
+    """Path of the CA certificate that signed etcd's server certificate; setting it turns
+    TLS to etcd on. Unset: taken from ``auth.dir``'s ``etcd-ca.pem`` when there is one."""
+    client_cert: str | None = None
+    """Path of this member's client certificate, for an etcd run with
+    ``--client-cert-auth`` (mutual TLS); set together with ``client_key``."""
+    client_key: str | None = None
+    """Path of the private key of ``client_cert``."""
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> EtcdConfig:
+        check_etcd_tls(self.endpoints, self.ca_cert, self.client_cert, self.client_key)
+        return self
 
 
 class MetricsConfig(LaminarModel):
@@ -75,7 +168,9 @@ class AuthConfig(LaminarModel):
 
     dir: str | None = None
     """Directory written by `laminar keys`: when set, ZeroMQ sockets use CURVE (only
-    authorized client keys connect) and the relay's gRPC uses TLS."""
+    authorized client keys connect) and the relay's gRPC uses TLS; when it also holds
+    ``etcd-ca.pem`` (``laminar keys --etcd``), etcd is reached over TLS, with the
+    ``etcd-client.pem`` client certificate when there is one."""
     mutual_tls: bool = False
     """gRPC: also require client certificates (mTLS)."""
 

