@@ -146,7 +146,7 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path,
     assert len(consumed) == len(set(consumed)) == total_steps * 4 * 4
     manager.stop()
     state = json.loads((state_dir / "manager_state.json").read_text())
-    assert set(state["states"]["acked"]) == set(consumed)
+    assert set(state["ledger"]["states"]["acked"]) == set(consumed)
 
 
 def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn, tmp_path,

@@ -159,3 +159,43 @@ def test_indexes_agree_with_a_full_scan_under_random_operations():
                       if e.state == PENDING and e.partial_tokens)
         assert led.pending_resumable() == scan
         assert sum(led.counts().values()) == 24
+
+
+def test_restore_keeps_acked_and_rejected_and_makes_the_rest_pending():
+    led = TrajectoryLedger()
+    records = {f"p{i}": PromptRecord(f"p{i}", f"prompt {i}", {"answer": str(i)}) for i in range(3)}
+    for i in range(3):
+        led.add_group(records[f"p{i}"], 2, SAMPLING, batch=i // 2)
+    tasks = {t.trajectory_id: t for t in led.take_pending("w1", 0, 6)}
+    led.record_partial("p0#0", "w1", 0, (5, 6), (-0.1, -0.2))
+    for tid in ("p0#1", "p1#0", "p1#1"):
+        led.mark_done(tid, "w1")
+    led.mark_acked("p1#0")
+    led.mark_rejected("p2#0", "w1", "too long")
+    snap = led.snapshot()
+    assert snap["dispatched_to"] == {"w1": 2}  # p0#0 and p2#1
+
+    back = TrajectoryLedger.restored(snap, records.get, SAMPLING)
+    assert back.counts() == {PENDING: 4, DISPATCHED: 0, DONE: 0, ACKED: 1, REJECTED: 1}
+    assert back.entries["p1#0"].state == ACKED and back.entries["p2#0"].state == REJECTED
+    assert back.entries["p0#0"].partial_tokens == ()  # tokens are not kept
+    assert back.entries["p2#1"].task.metadata["batch"] == "1"
+    assert not back.batch_done(0) and not back.batch_done(1)
+    again = back.take_pending("w2", 1, 10)
+    assert [t.trajectory_id for t in again] == ["p0#0", "p0#1", "p1#1", "p2#1"]
+    assert again[0].prompt == tasks["p0#0"].prompt
+    # A copy trained before the restart is acked again: it stays acked, once.
+    assert back.mark_acked("p1#0") is None
+    assert back.counts()[ACKED] == 1
+
+
+def test_restore_refuses_a_snapshot_that_does_not_fit():
+    led = _ledger(n_prompts=1)
+    snap = led.snapshot()
+    with pytest.raises(ValueError, match="prompt 'p0' is not in the prompt file"):
+        TrajectoryLedger.restored(snap, {}.get, SAMPLING)
+    with pytest.raises(ValueError, match="malformed ledger snapshot"):
+        TrajectoryLedger.restored({"states": {}}, {}.get, SAMPLING)
+    bad = {**snap, "states": {**snap["states"], ACKED: ["zz#0"]}}
+    with pytest.raises(ValueError, match="trajectory of no group: 'zz#0'"):
+        TrajectoryLedger.restored(bad, lambda pid: PromptRecord(pid, "x", {}), SAMPLING)

@@ -88,10 +88,11 @@ def stack(tmp_path):
     store = InMemoryEtcd()
     services = []
 
-    def start_manager(**kw):
+    def start_manager(resume=False, **kw):
         cfg = ManagerConfig(job=JOB, prompts=_prompts(tmp_path, kw.pop("n_prompts", 6)),
                             worker_timeout_s=kw.pop("worker_timeout_s", 10.0), **kw)
-        m = ManagerService(cfg, coordinator=InMemoryCoordinator(store, JOB)).start()
+        m = ManagerService(cfg, coordinator=InMemoryCoordinator(store, JOB),
+                           resume=resume).start()
         services.append(m)
         return m
 
@@ -156,6 +157,9 @@ def test_killed_worker_work_is_resumed_or_redone_exactly_once(stack):
     trainer.ack(ids)
     assert _wait(lambda: manager.ledger.settled(), 10)
     assert manager.ledger.counts()[ACKED] == 16
+    # Recovery: from the victim's last report to its work dispatched again.
+    assert len(manager.stats.recovery_seconds) == 1
+    assert 0 < manager.stats.recovery_seconds[0] < 5
 
 
 def test_sync_mode_batches_use_exactly_their_version(stack):
@@ -219,6 +223,46 @@ def test_repack_moves_stale_stragglers_and_frees_the_source(stack):
     assert len(ids) == len(set(ids)), "a migrated trajectory arrived twice"
     exported = sum(w.counters["exported"] for w in workers)
     assert exported >= 1 and manager.ledger.counters.migrated >= 1
-    # Migrated trajectories keep the version that produced their first tokens.
-    assert all(t.policy_version in (0, 1) for t in trainer.got)
+    # A trajectory migrated with tokens is finished from them, at the version
+    # that produced them (v0: only stale workers are emptied), on another worker.
+    got = {t.trajectory_id: t for t in trainer.got}
+    resumed = {tid: e for tid, e in manager.ledger.entries.items()
+               if e.dispatches >= 2 and e.partial_tokens}
+    assert resumed, "no trajectory was migrated with tokens"
+    for tid, entry in resumed.items():
+        traj = got[tid]
+        assert entry.partial_version == 0
+        assert traj.policy_version == 0
+        assert traj.response_token_ids[:len(entry.partial_tokens)] == entry.partial_tokens
     assert any(t.policy_version == 1 for t in trainer.got)
+    assert manager.stats.migration_seconds and max(manager.stats.migration_seconds) < 30
+
+
+def test_a_restarted_manager_resumes_its_ledger_and_the_workers_follow(stack, tmp_path):
+    store, trainer, start_manager, start_worker = stack
+    state_dir = str(tmp_path / "manager")
+    first = start_manager(n_prompts=12, group_size=2, state_dir=state_dir)
+    workers = [start_worker(f"w{i}", median=20, step_s=0.002) for i in range(2)]
+    assert _wait(lambda: len(trainer.got) >= 8, 30, trainer)
+    early = sorted({t.trajectory_id for t in trainer.got})[:6]
+    trainer.ack(early)
+    assert _wait(lambda: first.ledger.counts()[ACKED] == 6, 10, trainer)
+    first.close("killed")  # writes its state; a SIGKILL leaves the last periodic write
+    trainer.acker.close()
+    trainer.acker = None
+    saved = first.summary()["cursor"]
+
+    second = start_manager(resume=True, n_prompts=12, group_size=2, state_dir=state_dir)
+    assert second.ledger.counts()[ACKED] == 6
+    assert second.cursor.state() == saved
+    assert _wait(lambda: all(w.counters["manager_switches"] == 1 for w in workers), 10, trainer)
+    everything = {f"p{i}#{s}" for i in range(12) for s in range(2)}
+    assert _wait(lambda: {t.trajectory_id for t in trainer.got} == everything, 60, trainer)
+    # Like the real trainer, ack every copy received (a copy of an id trained
+    # before is acked again): each outbox holding a copy gets to drop it.
+    trainer.pump(0.3)
+    trainer.ack([t.trajectory_id for t in trainer.got])
+    assert _wait(lambda: second.ledger.settled() and second.cursor.exhausted(), 10, trainer)
+    assert second.ledger.counts()[ACKED] == 24
+    assert _wait(lambda: all(not w.outbox for w in workers), 10, trainer), \
+        [sorted(w.outbox) for w in workers]

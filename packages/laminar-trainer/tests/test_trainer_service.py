@@ -151,3 +151,48 @@ def test_resume_rolls_back_past_the_checkpoint(tmp_path, model_dir):
         assert len(ids) == len(set(ids)) == 16
     finally:
         svc2.close()
+
+
+def test_copies_of_trained_ids_are_acked_again_once_durable_even_to_a_new_manager(
+        tmp_path, model_dir):
+    h = Harness(tmp_path, model_dir, total_steps=4)
+    svc = h.start()
+    try:
+        h.send(svc, _trajs("a") + _trajs("b"))
+        assert _wait(lambda: svc.step == 1, 30)
+        h.send(svc, _trajs("a"))  # trained, not checkpointed yet: no ack
+        h.drain_acks(1.5)
+        assert h.acked == []
+        h.send(svc, _trajs("c") + _trajs("d"))
+        assert _wait(lambda: svc.step == 2, 30)
+        h.drain_acks(0.5)
+        assert sorted(h.acked) == sorted(f"{p}#{i}" for p in "abcd" for i in range(2))
+        h.acked.clear()
+        h.send(svc, _trajs("a"))  # durable now: acked again while the trainer waits
+        assert _wait(lambda: (h.drain_acks(0.1), sorted(h.acked))[1] == ["a#0", "a#1"], 5)
+
+        # The manager restarts elsewhere: re-acks follow it to its new address.
+        h.manager_coord.close()
+        new_acks = ZmqPullReceiver(expect=Ack)
+        new_coord = InMemoryCoordinator(h.store, JOB)
+        new_coord.register(MemberRecord(member_id="manager", role="manager",
+                                        address="tcp://unused:2",
+                                        extra={"ack": new_acks.endpoint}))
+        h.acked.clear()
+        h.send(svc, _trajs("b"))
+        got: list[str] = []
+
+        def arrived():
+            msg = new_acks.recv(timeout_s=0.1)
+            if msg is not None:
+                got.extend(msg.trajectory_ids)
+            return sorted(got) == ["b#0", "b#1"]
+
+        assert _wait(arrived, 5), got
+        h.drain_acks(0.2)
+        assert h.acked == []
+        assert svc.buffer.stats.already_consumed == 6
+        new_coord.close()
+        new_acks.close()
+    finally:
+        svc.close()

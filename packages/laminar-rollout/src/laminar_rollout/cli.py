@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config field (repeatable)")
         s.add_argument("--print-config", action="store_true",
                        help="print the resolved config and exit")
+        if name == "manage":
+            s.add_argument("--resume", action="store_true",
+                           help="restore the cursor and ledger saved in state_dir")
     return p
 
 
@@ -71,10 +74,10 @@ def make_worker_service(config):
     return WorkerService(config, engine, make_tokenizer(eng), fetcher, coordinator=coordinator)
 
 
-def make_manager_service(config):
+def make_manager_service(config, resume: bool = False):
     from .manager import ManagerService
 
-    return ManagerService(config)
+    return ManagerService(config, resume=resume)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger(__name__).info("resolved config:\n%s", dump_config(config))
     try:
         service = make_worker_service(config) if args.cmd == "serve" else \
-            make_manager_service(config)
+            make_manager_service(config, resume=args.resume)
         return service.run_forever()
     except LaminarError as exc:
         logging.getLogger(__name__).error("%s", exc)

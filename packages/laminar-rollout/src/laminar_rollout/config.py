@@ -186,7 +186,7 @@ class ManagerConfig(LaminarModel):
     ack_listen: str = "tcp://127.0.0.1:0"
     """ZeroMQ endpoint the trainer sends acks to."""
     state_dir: str | None = None
-    """Where the cursor and ledger are saved (resume after a manager restart)."""
+    """Where the cursor and ledger are saved every 2 s (``manage --resume`` restores them)."""
     worker_timeout_s: float = Field(default=10.0, gt=0)
     """A worker silent this long (or whose lease expired) is considered dead."""
     repack: RepackConfig = RepackConfig()

@@ -19,12 +19,16 @@ Invariants:
   version); finished-but-unacked ones are generated again. The trainer
   deduplicates by trajectory id, so re-generation can never train an id twice.
 - Nothing here does I/O: it is a pure state machine, persisted by the caller
-  through :meth:`snapshot` / :meth:`restore`.
+  through :meth:`snapshot` / :meth:`restore`. A restore keeps ``acked`` and
+  ``rejected``; everything else is pending again (without tokens): what a
+  worker held under the old manager is generated again, and what a trainer
+  already trained is refused by id there and acked again.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from laminar_common.codec import PromptTask, SamplingSpec
@@ -207,7 +211,12 @@ class TrajectoryLedger:
         return True
 
     def mark_acked(self, tid: str) -> str | None:
-        """Durable trainer ack; returns the worker to notify (if any)."""
+        """Durable trainer ack; returns the worker to notify, None if it is not known.
+
+        An id acked again (a copy generated twice, e.g. after a worker or
+        manager was lost) stays acked; the caller tells every worker, since
+        any of them may hold that copy in its outbox.
+        """
         entry = self.entries.get(tid)
         if entry is None:
             self.counters.acks_unknown += 1
@@ -284,12 +293,52 @@ class TrajectoryLedger:
 
     # -- persistence ----------------------------------------------------------
 
-    def snapshot(self) -> dict[str, list[str]]:
-        """States of every trajectory, for a manager restart (tokens are not kept)."""
-        out: dict[str, list[str]] = {s: [] for s in STATES}
+    def snapshot(self) -> dict[str, object]:
+        """What a restarted manager needs (tokens are not kept).
+
+        ``states``: trajectory ids by state; ``groups``: ``[prompt_id,
+        group_size, batch]`` per prompt, in creation order; ``dispatched_to``:
+        how many trajectories each worker holds.
+        """
+        states: dict[str, list[str]] = {s: [] for s in STATES}
+        groups: dict[str, list] = {}
         for tid, entry in self.entries.items():
-            out[entry.state].append(tid)
-        return out
+            states[entry.state].append(tid)
+            task = entry.task
+            if task.prompt_id not in groups:
+                groups[task.prompt_id] = [task.prompt_id, task.group_size,
+                                          int(task.metadata.get("batch", -1))]
+        return {"states": states, "groups": list(groups.values()),
+                "dispatched_to": {w: len(ids) for w, ids in self._held.items() if ids}}
+
+    @classmethod
+    def restored(cls, snapshot: dict, records: Callable[[str], PromptRecord | None],
+                 sampling: SamplingSpec) -> TrajectoryLedger:
+        """A new ledger from :meth:`snapshot` (see module docstring).
+
+        ``records`` finds a prompt's record by the id it was dispatched under.
+
+        Raises:
+            ValueError: the snapshot does not fit, naming what is wrong.
+        """
+        ledger = cls()
+        try:
+            states, groups = snapshot["states"], snapshot["groups"]
+            final = {tid: state for state in (ACKED, REJECTED) for tid in states.get(state, ())}
+            for prompt_id, group_size, batch in groups:
+                record = records(prompt_id)
+                if record is None:
+                    raise ValueError(f"prompt {prompt_id!r} is not in the prompt file")
+                ledger.add_group(record, int(group_size), sampling, batch=int(batch))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"malformed ledger snapshot: {exc!r}") from exc
+        unknown = sorted(set(final) - set(ledger.entries))
+        if unknown:
+            raise ValueError(f"snapshot names a trajectory of no group: {unknown[0]!r}")
+        for tid, state in final.items():
+            ledger._move(ledger.entries[tid], state)
+        ledger._pending = collections.deque(t for t in ledger._pending if t not in final)
+        return ledger
 
 
 def _with_resume(task: PromptTask, entry: Entry) -> PromptTask:

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import queue
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ from laminar_common.service import Service
 from laminar_common.transport import TransportError, ZmqPullReceiver, ZmqServer
 
 from .config import ManagerConfig
-from .ledger import TrajectoryLedger
+from .ledger import PENDING, TrajectoryLedger
 from .prompts import PromptCursor, load_prompt_file
 from .repack import WorkerLoad, plan_repack
 from .scheduling import WorkerView, plan_barrier, plan_laminar, required_version
@@ -66,8 +67,21 @@ class ManagerStats:
     repacks: int = 0
     repack_migrated: int = 0
     repack_seconds: float = 0.0
+    """Time spent planning repacks and sending the export commands."""
+    migration_seconds: list[float] = field(default_factory=list)
+    """Per migrated trajectory: export command sent -> dispatched to its destination."""
     pulls_commanded: int = 0
     recovery_seconds: list[float] = field(default_factory=list)
+    """Per lost worker: last heard from -> every trajectory it held dispatched again."""
+
+
+@dataclass
+class Recovery:
+    """A lost worker's trajectories on their way back to live workers."""
+
+    worker_id: str
+    last_seen: float
+    ids: set[str]
 
 
 class ManagerService(Service):
@@ -75,7 +89,7 @@ class ManagerService(Service):
 
     name = "manager"
 
-    def __init__(self, config: ManagerConfig, coordinator=None) -> None:
+    def __init__(self, config: ManagerConfig, coordinator=None, resume: bool = False) -> None:
         super().__init__()
         self.config = config
         self.coordinator = coordinator
@@ -86,9 +100,12 @@ class ManagerService(Service):
         self.workers: dict[str, WorkerState] = {}
         self.latest = 0
         self.batch = -1
+        if resume:
+            self._restore()
         self.stats = ManagerStats()
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._migrations: dict[str, str] = {}
+        self._migrations: dict[str, tuple[str, float]] = {}
+        self._recoveries: list[Recovery] = []
         self._last_repack = time.monotonic()
         self._last_state_write = 0.0
         self._last_log = 0.0
@@ -97,6 +114,33 @@ class ManagerService(Service):
         self.server: ZmqServer | None = None
         self.acks: ZmqPullReceiver | None = None
         self.metrics: MetricsServer | None = None
+
+    def _state_path(self) -> str | None:
+        if self.config.state_dir is None:
+            return None
+        return os.path.join(self.config.state_dir, "manager_state.json")
+
+    def _restore(self) -> None:
+        """``--resume``: cursor, open batch and ledger from ``state_dir`` (see the ledger)."""
+        path = self._state_path()
+        if path is None:
+            raise LaminarError("manager --resume needs state_dir (where the state was saved)")
+        if not os.path.exists(path):
+            log.warning("--resume: no saved state at %s; starting fresh", path)
+            return
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+            cursor = data["summary"]["cursor"]
+            self.cursor = PromptCursor(self.records, self.config.epochs, self.config.max_prompts,
+                                       epoch=int(cursor["epoch"]), position=int(cursor["position"]))
+            self.batch = int(data["summary"].get("batch", -1))
+            self.ledger = TrajectoryLedger.restored(data["ledger"], self.cursor.lookup,
+                                                    self.sampling)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise LaminarError(f"manager --resume: cannot restore {path}: {exc}") from exc
+        log.info("resumed from %s: cursor %s, batch %d, ledger %s", path, self.cursor.state(),
+                 self.batch, self.ledger.counts())
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -156,6 +200,8 @@ class ManagerService(Service):
                 ack = self.acks.recv(timeout_s=0)
             self._expire_silent_workers()
             self._schedule()
+            if self._recoveries:
+                self._settle_recoveries()
             self._maybe_repack()
             self._write_state()
             self._log_progress()
@@ -196,9 +242,11 @@ class ManagerService(Service):
                                        msg.token_ids, msg.logprobs)
         elif isinstance(msg, PromptTask):
             if self.ledger.requeue_exported(msg, peer):
-                dest = self._migrations.pop(msg.trajectory_id, None)
-                if dest is not None:
-                    self._place(msg.trajectory_id, dest)
+                migration = self._migrations.pop(msg.trajectory_id, None)
+                if migration is not None:
+                    dest, t_export = migration
+                    if self._place(msg.trajectory_id, dest):
+                        self.stats.migration_seconds.append(time.monotonic() - t_export)
         elif isinstance(msg, Command) and msg.action == "rejected":
             for tid in msg.trajectory_ids:
                 if self.ledger.mark_rejected(tid, peer, msg.reason):
@@ -220,13 +268,21 @@ class ManagerService(Service):
 
     def _handle_ack(self, ack: codec.Ack) -> None:
         by_worker: dict[str, list[str]] = {}
+        unattributed: list[str] = []
         for tid in ack.trajectory_ids:
             worker = self.ledger.mark_acked(tid)
             self.stats.acks += 1
             if worker is not None and worker in self.workers:
                 by_worker.setdefault(worker, []).append(tid)
+            else:
+                unattributed.append(tid)
         for worker, ids in by_worker.items():
             self._send(worker, Command(action="acked", trajectory_ids=tuple(ids)))
+        if unattributed:
+            # Acked again, or held by a worker this manager does not know (after a
+            # restart): whichever worker keeps a copy in its outbox may drop it.
+            for worker in self.workers:
+                self._send(worker, Command(action="acked", trajectory_ids=tuple(unattributed)))
 
     def _send(self, worker: str, msg: codec.Message) -> bool:
         try:
@@ -243,15 +299,27 @@ class ManagerService(Service):
                 self._worker_lost(wid, f"silent for {now - w.last_seen:.1f}s")
 
     def _worker_lost(self, worker_id: str, why: str) -> None:
-        t0 = time.monotonic()
-        self.workers.pop(worker_id, None)
+        w = self.workers.pop(worker_id, None)
         self.server.forget(worker_id)
         resumable, again = self.ledger.worker_lost(worker_id)
         self.ledger.restart_unresumable({w.version for w in self.workers.values()})
         self.stats.workers_lost += 1
-        self.stats.recovery_seconds.append(time.monotonic() - t0)
+        last_seen = w.last_seen if w is not None else time.monotonic()
+        self._recoveries.append(Recovery(worker_id, last_seen, set(resumable + again)))
+        self._settle_recoveries()
         log.warning("worker %s lost (%s): %d trajectories resumable, %d to generate again",
                     worker_id, why, len(resumable), len(again))
+
+    def _settle_recoveries(self) -> None:
+        """Close the recoveries whose trajectories all left ``pending``."""
+        now = time.monotonic()
+        for rec in list(self._recoveries):
+            rec.ids = {t for t in rec.ids if self.ledger.entries[t].state == PENDING}
+            if not rec.ids:
+                self._recoveries.remove(rec)
+                self.stats.recovery_seconds.append(now - rec.last_seen)
+                log.info("worker %s recovered: its work is running again %.2fs after it was "
+                         "last heard from", rec.worker_id, now - rec.last_seen)
 
     # -- scheduling -------------------------------------------------------------
 
@@ -342,11 +410,14 @@ class ManagerService(Service):
         if not force and now - self._last_repack < cfg.interval_s:
             return
         self._last_repack = now
+        # "Queue empty" = no more work is coming its way: nothing waits for it, or it
+        # is stale (stale workers get no fresh prompts; what it has queued but not
+        # started leaves with the repack like the rest).
         loads = [
             WorkerLoad(w.worker_id, w.version, self.ledger.assigned(w.worker_id), w.capacity,
                        w.kv_used, w.kv_capacity,
                        falling=self.ledger.assigned(w.worker_id) < w.stale_peak,
-                       queue_empty=w.queued == 0 and self.ledger.pending_count() == 0
+                       queue_empty=(w.queued == 0 and self.ledger.pending_count() == 0)
                        or w.version < self.latest)
             for w in self.workers.values() if w.version >= 0 and w.pulling is None
         ]
@@ -359,7 +430,7 @@ class ManagerService(Service):
             if ids and self._send(move.source, Command(action="export", trajectory_ids=ids)):
                 self.stats.repack_migrated += len(ids)
                 for tid in ids:
-                    self._migrations[tid] = move.destination
+                    self._migrations[tid] = (move.destination, t0)
         self.stats.repacks += 1
         self.stats.repack_seconds += time.monotonic() - t0
         log.info("repack: emptying %d workers (%s)", len(moves),
@@ -381,6 +452,14 @@ class ManagerService(Service):
                    st.repack_migrated),
             Metric("repack_seconds_total", "counter", "time spent planning + commanding repacks",
                    st.repack_seconds),
+            Metric("migration_seconds_total", "counter",
+                   "export command -> re-dispatch, summed over migrated trajectories",
+                   sum(st.migration_seconds)),
+            Metric("recoveries_total", "counter", "lost workers whose work runs again",
+                   len(st.recovery_seconds)),
+            Metric("recovery_seconds_last", "gauge",
+                   "last heard from -> work dispatched again, last lost worker",
+                   st.recovery_seconds[-1] if st.recovery_seconds else 0.0),
             Metric("resumed_total", "counter", "trajectories resumed from partial tokens",
                    lc.resumed),
             Metric("stale_reports_total", "counter", "worker reports that did not fit the ledger",
@@ -402,12 +481,16 @@ class ManagerService(Service):
             "repacks": self.stats.repacks,
             "repack_migrated": self.stats.repack_migrated,
             "repack_seconds": round(self.stats.repack_seconds, 4),
+            "migration_seconds_mean": round(statistics.fmean(self.stats.migration_seconds), 4)
+            if self.stats.migration_seconds else None,
+            "recovery_seconds": [round(x, 3) for x in self.stats.recovery_seconds],
             "resumed": self.ledger.counters.resumed,
             "restarted": self.ledger.counters.restarted,
             "stale_reports": self.ledger.counters.stale_reports,
             "pulls_commanded": self.stats.pulls_commanded,
             "latest_version": self.latest,
             "cursor": self.cursor.state(),
+            "batch": self.batch,
             "prompts_exhausted": self.cursor.exhausted(),
             "settled": self.ledger.settled(),
         }
@@ -442,8 +525,9 @@ class ManagerService(Service):
             return
         self._last_state_write = now
         os.makedirs(self.config.state_dir, exist_ok=True)
-        data = {"summary": self.summary(), "states": self.ledger.snapshot()}
-        path = os.path.join(self.config.state_dir, "manager_state.json")
+        ledger = self.ledger.snapshot()
+        data = {"summary": self.summary(), "ledger": ledger, "states": ledger["states"]}
+        path = self._state_path()
         tmp = path + ".tmp"
         with open(tmp, "w") as fh:
             json.dump(data, fh)

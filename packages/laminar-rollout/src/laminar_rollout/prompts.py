@@ -100,6 +100,7 @@ class PromptCursor:
         self.max_prompts = max_prompts
         self.epoch = epoch
         self.position = position
+        self._by_id: dict[str, PromptRecord] | None = None
 
     @property
     def taken(self) -> int:
@@ -123,3 +124,15 @@ class PromptCursor:
 
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
+
+    def lookup(self, prompt_id: str) -> PromptRecord | None:
+        """The record dispatched as ``prompt_id`` (an epoch's ``@e<n>`` suffix included)."""
+        if self._by_id is None:
+            self._by_id = {r.prompt_id: r for r in self.records}
+        if prompt_id in self._by_id:
+            return self._by_id[prompt_id]
+        base, sep, epoch = prompt_id.rpartition("@e")
+        if sep and epoch.isdigit() and base in self._by_id:
+            rec = self._by_id[base]
+            return PromptRecord(prompt_id, rec.prompt, rec.metadata)
+        return None

@@ -89,6 +89,7 @@ class WorkerService(Service):
         self.reward_fn = reward_fn or load_reward_fn(config.reward)
         self.coordinator = coordinator
         self.manager: ZmqClient | None = None
+        self._manager_key: tuple[str, float] | None = None
         self.metrics: MetricsServer | None = None
         self._curve = config.auth.curve()
         self.trainer: ZmqPushSender | None = None
@@ -113,6 +114,8 @@ class WorkerService(Service):
         if self.coordinator is None:
             self.coordinator = make_coordinator(self.config.etcd, self.config.job)
         self.coordinator.watch_members(self._on_trainer, role="trainer")
+        self.coordinator.watch_members(lambda ev: self._events.put(("manager", ev)),
+                                       role="manager")
         extra = {"engine": type(self.engine).__name__}
         self._last_load = self.engine.load()
         if self.config.metrics.port is not None:
@@ -143,6 +146,7 @@ class WorkerService(Service):
                     client.close()
                     raise
                 self.manager = client
+                self._manager_key = (rec.member_id, rec.started_at)
                 log.info("connected to manager %s at %s", rec.member_id, rec.address)
                 print(f"WORKER READY {self.worker_id} v{self.engine.weight_version}", flush=True)
                 return
@@ -246,6 +250,33 @@ class WorkerService(Service):
                 assert isinstance(payload, MembershipEvent)
                 if payload.kind == "put" and payload.record is not None:
                     self._set_trainer(payload.record.address)
+            elif kind == "manager":
+                assert isinstance(payload, MembershipEvent)
+                rec = payload.record
+                if payload.kind == "put" and rec is not None and \
+                        (rec.member_id, rec.started_at) != self._manager_key:
+                    self._switch_manager()
+
+    def _switch_manager(self) -> None:
+        """A (re)started manager: drop what the old one assigned, say hello to the new one.
+
+        The new manager restored its ledger with everything unacked pending, so
+        it dispatches this worker's unfinished trajectories again; finished ones
+        stay in the outbox until the trainer's ack reaches the new manager.
+        """
+        dropped = self.engine.abort() if self.engine.has_unfinished() else []
+        dropped_ids = [out.request_id for out in dropped] + [t.trajectory_id for t in self._fresh]
+        self._tasks.clear()
+        self._fresh.clear()
+        self._done_since_report.clear()
+        self.counters["manager_switches"] += 1
+        log.warning("a new manager registered: dropping %d unfinished trajectories %s",
+                    len(dropped_ids), dropped_ids[:5])
+        if self.manager is not None:
+            self.manager.close()
+            self.manager = None
+        self._connect_manager()
+        self._report(force=True)
 
     def _set_trainer(self, address: str) -> None:
         if address == self._trainer_addr:

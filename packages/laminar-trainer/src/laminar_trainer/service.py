@@ -42,7 +42,7 @@ from laminar_common.codec import Ack, Trajectory
 from laminar_common.config import dump_config
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
-from laminar_common.membership import MemberRecord
+from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
 from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
@@ -97,7 +97,12 @@ class TrainerService(Service):
         self._curve = config.auth.curve()
         self._last_metrics: dict = {}
         self._acker: ZmqPushSender | None = None
+        self._acker_key: tuple[str, float] | None = None
+        self._manager_changed = threading.Event()
         self._unacked: list[str] = []
+        self._reack: set[str] = set()
+        self._reack_lock = threading.Lock()
+        self._last_reack = 0.0
         self._tokens_consumed = 0
         self._t_first_step: float | None = None
         self._wait_s = 0.0
@@ -141,6 +146,7 @@ class TrainerService(Service):
         if cfg.metrics.port is not None:
             self.metrics = MetricsServer("trainer", cfg.job, cfg.trainer_id, self._metrics)
             extra["metrics"] = self.metrics.start(cfg.metrics.host, cfg.metrics.port)
+        self.coordinator.watch_members(self._on_manager, role="manager")
         self.coordinator.register(MemberRecord(
             member_id=cfg.trainer_id, role="trainer", address=self.receiver.endpoint,
             package_version=__version__, extra=extra))
@@ -252,8 +258,12 @@ class TrainerService(Service):
     def _receive_loop(self) -> None:
         while not self.stopping.is_set():
             msg = self.receiver.recv(timeout_s=0.1)
-            if msg is not None:
-                self.buffer.add(msg)
+            if msg is not None and not self.buffer.add(msg) and \
+                    msg.trajectory_id in self.buffer.consumed:
+                # A copy of something trained already (its ack was lost with a
+                # manager, or it was generated twice): ack it again once durable.
+                with self._reack_lock:
+                    self._reack.add(msg.trajectory_id)
 
     def _train_loop(self) -> None:
         self._train_steps()
@@ -273,6 +283,7 @@ class TrainerService(Service):
             while not self.buffer.wait_ready(cfg.batch_groups, timeout_s=0.2):
                 if self.stopping.is_set():
                     return
+                self._flush_reacks()
                 if time.monotonic() - t0 > cfg.wait_timeout_s:
                     raise LaminarError(f"no full step of data for {cfg.wait_timeout_s:.0f}s")
             waited = time.monotonic() - t0
@@ -379,21 +390,59 @@ class TrainerService(Service):
         self._ack()
 
     def _ack(self) -> None:
-        if not self._unacked:
+        """Everything consumed is durable now (checkpointed, or no checkpoints): ack it."""
+        with self._reack_lock:
+            reack, self._reack = self._reack, set()
+        ids = self._unacked + sorted(reack - set(self._unacked))
+        if ids and self._send_acks(ids):
+            self._unacked = []
+        elif ids:
+            with self._reack_lock:
+                self._reack |= reack
+
+    def _flush_reacks(self) -> None:
+        """While waiting for data: ack again the copies whose first ack is durable."""
+        now = time.monotonic()
+        if now - self._last_reack < 1.0:
             return
+        self._last_reack = now
+        pending = set(self._unacked)
+        with self._reack_lock:
+            ready = sorted(self._reack - pending)
+            self._reack &= pending
+        if ready and not self._send_acks(ready):
+            with self._reack_lock:
+                self._reack.update(ready)
+
+    def _on_manager(self, event: MembershipEvent) -> None:
+        rec = event.record
+        if event.kind == "put" and rec is not None and \
+                (rec.member_id, rec.started_at) != self._acker_key:
+            self._manager_changed.set()
+
+    def _send_acks(self, ids: list[str]) -> bool:
+        """Send durable acks to the manager; False (logged) if they must wait."""
+        if self._manager_changed.is_set() and self._acker is not None:
+            # A restarted manager: acks go to its new address (those sent to the
+            # old one are lost; the copies it dispatches again are acked again).
+            self._acker.close(linger_s=0)
+            self._acker = None
+        self._manager_changed.clear()
         if self._acker is None:
             managers = self.coordinator.members("manager")
             if not managers:
-                log.warning("no manager registered: %d acks wait", len(self._unacked))
-                return
+                log.warning("no manager registered: %d acks wait", len(ids))
+                return False
             rec = sorted(managers.values(), key=lambda r: r.member_id)[0]
             self._acker = ZmqPushSender(rec.extra["ack"], send_timeout_s=10, auth=self._curve)
+            self._acker_key = (rec.member_id, rec.started_at)
         try:
-            self._acker.send(Ack(trajectory_ids=tuple(self._unacked), trainer_step=self.step,
+            self._acker.send(Ack(trajectory_ids=tuple(ids), trainer_step=self.step,
                                  trainer_version=self.version))
-            self._unacked = []
+            return True
         except TransportError as exc:
             log.warning("acks to the manager failed (will retry): %s", exc)
+            return False
 
     def _evaluate(self) -> float:
         from laminar_common.tasks import read_jsonl
