@@ -447,6 +447,7 @@ class EtcdCoordinator(Coordinator):
             known: dict[str, bytes] = {}
             revision: int | None = None
             backoff = Backoff()
+            broken = False  # an outage is logged once as a warning, its retries at debug
             while not stop.is_set() and not self._stop.is_set():
                 try:
                     if revision is None:
@@ -459,6 +460,9 @@ class EtcdCoordinator(Coordinator):
                                 on_event("put", key, value)
                         known = current
                         revision = resp.header.revision
+                        if broken:
+                            log.info("watch on %s resynced (%d keys)", prefix, len(known))
+                            broken = False
                     start = revision + 1
                     iterator, cancel = self._call(
                         "watch", lambda c, s=start: c.watch_prefix_response(prefix, start_revision=s)
@@ -481,7 +485,9 @@ class EtcdCoordinator(Coordinator):
                     log.info("watch on %s hit a compacted revision; resyncing", prefix)
                     revision = None
                 except (EtcdUnavailableError, *_ETCD_ERRORS) as exc:
-                    log.debug("watch on %s broke (%r); relisting after backoff", prefix, exc)
+                    (log.debug if broken else log.warning)(
+                        "watch on %s broke (%r); relisting after backoff", prefix, exc)
+                    broken = True
                     revision = None
                     stop.wait(backoff.next_delay())
                 except Exception:  # top of a long-lived loop

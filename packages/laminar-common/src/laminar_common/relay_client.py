@@ -257,6 +257,8 @@ class RelayClient:
         self.send_hwm = send_hwm
         self.send_timeout_s = send_timeout_s
         self.use_shared_memory = use_shared_memory
+        self.shm_fallbacks = 0
+        """Same-host fetches that had to stream because shared memory was unusable."""
         self.tls = tls
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
@@ -674,21 +676,27 @@ class RelayClient:
         release()
         return FetchedWeights(manifest, memoryview(buf), "stream", relay_id)
 
+    def _shm_fallback(self, why: str) -> None:
+        """Same host, but the relay's shared memory is not usable: stream (slower).
+
+        Warned once per client (a container with its own /dev/shm stays that
+        way), then counted at debug level.
+        """
+        self.shm_fallbacks += 1
+        (log.warning if self.shm_fallbacks == 1 else log.debug)(
+            "%s; fetching over the network instead (a copy)", why)
+
     def _map_shared(self, path: str, manifest: WeightManifest, verify: bool) -> memoryview | None:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
-            log.debug("cannot open relay shared memory %s (%s); streaming instead", path, exc)
+            self._shm_fallback(f"cannot open relay shared memory {path} ({exc})")
             return None
         try:
             size = os.fstat(fd).st_size
             if size < manifest.total_bytes:
-                log.debug(
-                    "relay shared memory %s is %d bytes, need %d; streaming instead",
-                    path,
-                    size,
-                    manifest.total_bytes,
-                )
+                self._shm_fallback(f"relay shared memory {path} is {size} bytes, "
+                                   f"need {manifest.total_bytes}")
                 return None
             mm = mmap.mmap(fd, manifest.total_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
