@@ -62,13 +62,18 @@ def test_laminar_up_ray_backend_restarts_a_killed_replica(tmp_path):
     job["job"] = "simray"
     job["run_dir"] = str(tmp_path / "run")
     job["tiers"]["trainer"]["config"]["total_steps"] = 40
+    # One relay per Ray node (one node here), pinned to it; named by member_id.
+    job["tiers"]["relay"].update(replicas=-1, id_field="member_id")
+    job["tiers"]["relay"]["config"].pop("member_id")
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     up = ChildProcess("up", [sys.executable, "-m", "laminar_common.cli", "up", str(path),
                              "--backend", "ray", "--num-cpus", "2"],
                       str(tmp_path / "up.log"), cwd=str(tmp_path))
     try:
+        up.wait_for_line(r"started relay-0 as a Ray actor", 120)
         up.wait_for_line(r"trainer: STEP 3 ", 240)
+        assert not any("started relay-1" in line for line in up.lines)
         victims = _pids_with("laminar-worker-0-")
         assert victims, "no worker-0 process found"
         for pid in victims:

@@ -19,12 +19,12 @@ Time model (also printed with the numbers in use):
   tokens / (trainer GPUs x tokens/s/GPU); weight publish = trainer snapshot stall, then a
   pipelined relay chain (size/bw + hops*chunk/bw) and a per-worker load (size/(GPUs*bw)).
 
-Admission control in laminar mode: ``ManagerService`` dispatches without any bound, so when
-the rollouts produce faster than the trainer consumes, the backlog and the staleness grow
-with the length of the run. By default this tool adds an AReaL-style staleness bound on the
-simulator side (``--max-staleness 4``: fresh trajectories start only while
-started <= (trainer version + 1 + bound) x batch); ``--max-staleness none`` runs the
-manager's unbounded behaviour.
+Admission control in laminar mode, as ``ManagerService`` does with
+``ManagerConfig.max_staleness`` (AReaL-style bounded staleness): fresh trajectories start only
+while started <= (trainer version + 1 + bound) x batch. ``--max-staleness`` sets the bound
+(default 2, the manager's default); ``--max-staleness none`` dispatches without a bound, so
+when the rollouts produce faster than the trainer consumes, the backlog and the staleness
+grow with the length of the run.
 
 Throughput is trajectory tokens (prompt + response) consumed by the trainer per simulated
 second, between trainer-step ends after a warm-up. The three modes of one scale run side by

@@ -68,8 +68,10 @@ class TierSpec(LaminarModel):
 
     command: tuple[str, ...]
     """The tier's entry point and sub-command, e.g. [laminar-relay, serve]."""
-    replicas: int = Field(default=1, ge=0)
-    """Processes to start."""
+    replicas: int = Field(default=1, ge=-1)
+    """Processes to start; -1: one per node (Ray backend: per alive Ray node; local: 1)."""
+    max_restarts: int = Field(default=-1, ge=-1)
+    """Ray backend: times Ray restarts a replica that failed (-1: without limit)."""
     config: dict[str, Any] = {}
     """The tier's config (written to a YAML file per replica)."""
     id_field: str | None = None
@@ -172,6 +174,10 @@ class LocalLauncher:
                                    f"see {child.log_path}")
             self._say(f"setup done in {time.monotonic() - t0:.1f}s")
 
+    def replica_count(self, spec: TierSpec) -> int:
+        """How many replicas of ``spec`` to start (``-1``, one per node, is 1 here)."""
+        return 1 if spec.replicas == -1 else spec.replicas
+
     def replica_argv(self, tier: str, spec: TierSpec, index: int) -> tuple[str, list[str]]:
         name = tier if spec.replicas == 1 else f"{tier}-{index}"
         subs = dict(self.subs, name=name, index=str(index))
@@ -197,7 +203,7 @@ class LocalLauncher:
         started: dict[str, list[ChildProcess]] = {}
         for tier, spec in self.job.tiers.items():
             started[tier] = []
-            for i in range(spec.replicas):
+            for i in range(self.replica_count(spec)):
                 name, argv = self.replica_argv(tier, spec, i)
                 child = ChildProcess(name, argv, str(logs / f"{name}.log"))
                 self.children.append(child)

@@ -8,10 +8,12 @@ module imports none of them. Ray is imported only here (optional extra
 
 Placement: a tier's ``resources`` map (``{GPU: 1}``, ``{CPU: 2}``, custom
 resources) becomes the actor's Ray resource request, so rollouts and the
-trainer land on GPU nodes; relays are spread one per node (``SPREAD``
-scheduling) when ``replicas`` is ``per-node`` (-1). A replica whose process
-exits with a non-zero code (or whose actor dies) is restarted by Ray, up to
-``max_restarts``; the ``wait_for`` tier ending with 0 ends the run.
+trainer land on GPU nodes. ``replicas: -1`` starts one replica on every
+alive node, pinned there (node affinity; the usual choice for relays, so
+every rollout has a local one); other relay replicas are spread (``SPREAD``).
+A replica whose process exits with a non-zero code (or whose actor dies) is
+restarted by Ray, up to the tier's ``max_restarts`` (-1: always); the
+``wait_for`` tier ending with 0 ends the run.
 
 etcd: the embedded etcd listens on this machine's loopback, which is right
 for a single-node Ray; a multi-node cluster needs ``etcd.endpoints`` that
@@ -33,7 +35,7 @@ __all__ = ["RayLauncher"]
 
 
 def _actor_class(ray):
-    @ray.remote(max_restarts=-1, max_task_retries=0)
+    @ray.remote(max_task_retries=0)
     class TierReplica:
         """Runs one tier replica's CLI as a child process and reports on it."""
 
@@ -96,7 +98,8 @@ class RayLauncher(LocalLauncher):
         started: dict[str, list[object]] = {}
         for tier, spec in self.job.tiers.items():
             started[tier] = []
-            for i in range(spec.replicas):
+            nodes = self._alive_nodes() if spec.replicas == -1 else []
+            for i in range(len(nodes) or spec.replicas):
                 name, argv = self.replica_argv(tier, spec, i)
                 config_text = Path(argv[argv.index("--config") + 1]).read_text()
                 if argv[0] == sys.executable:
@@ -104,8 +107,14 @@ class RayLauncher(LocalLauncher):
                 argv[argv.index("--config") + 1] = "{config}"
                 res = dict(spec.resources)
                 options = {"num_cpus": res.pop("CPU", 0.1), "num_gpus": res.pop("GPU", 0),
-                           "resources": res or None, "name": f"{self.job.job}-{name}"}
-                if tier == "relay":
+                           "resources": res or None, "name": f"{self.job.job}-{name}",
+                           "max_restarts": spec.max_restarts}
+                if nodes:
+                    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                    options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                        node_id=nodes[i], soft=False)
+                elif tier == "relay":
                     options["scheduling_strategy"] = "SPREAD"
                 actor = replica_cls.options(**options).remote(
                     name, argv, config_text, str(self.run_dir / "logs"))
@@ -117,6 +126,13 @@ class RayLauncher(LocalLauncher):
                 for (name, actor) in [a for a in self.actors if a[1] in started[tier]]:
                     self._wait_line(actor, spec.ready, 300, name)
         return started
+
+    def _alive_nodes(self) -> list[str]:
+        """Ids of the cluster's alive nodes (for ``replicas: -1``)."""
+        nodes = sorted(n["NodeID"] for n in self.ray.nodes() if n.get("Alive"))
+        if not nodes:
+            raise LaminarError("Ray reports no alive node to place per-node replicas on")
+        return nodes
 
     def _wait_line(self, actor, pattern: str, timeout_s: float, name: str) -> None:
         import re

@@ -1,0 +1,38 @@
+"""Job files for `laminar up`: replica counts and restart limits are validated."""
+
+import pytest
+
+from laminar_common.errors import ConfigError
+from laminar_common.launcher import LocalLauncher, load_job
+
+
+def _job(tmp_path, relay_extra: str) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(f"""
+job: j
+run_dir: {tmp_path / 'run'}
+tiers:
+  relay:
+    command: [laminar-relay, serve]
+    id_field: member_id
+    {relay_extra}
+wait_for: relay
+""")
+    return str(path)
+
+
+def test_per_node_replicas_are_one_locally_and_named_by_index(tmp_path):
+    job = load_job(_job(tmp_path, "replicas: -1\n    max_restarts: 3"))
+    spec = job.tiers["relay"]
+    assert spec.replicas == -1 and spec.max_restarts == 3
+    launcher = LocalLauncher(job, echo=False)
+    assert launcher.replica_count(spec) == 1
+    name, argv = launcher.replica_argv("relay", spec, 0)
+    assert name == "relay-0" and "--config" in argv
+
+
+@pytest.mark.parametrize("extra, field", [("replicas: -2", "tiers.relay.replicas"),
+                                          ("max_restarts: -5", "tiers.relay.max_restarts")])
+def test_bad_counts_name_their_field(tmp_path, extra, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_job(_job(tmp_path, extra))
