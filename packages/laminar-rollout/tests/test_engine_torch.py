@@ -319,6 +319,58 @@ def test_exported_request_resumes_on_same_version_engine(model):
         elsewhere.add_request(moved)
 
 
+def test_kv_transfer_resumes_without_prefill_and_matches_uninterrupted(model):
+    req = GenerationRequest("mig", [9, 8, 7, 6], SamplingParams(temperature=0, max_tokens=20))
+    uninterrupted = TorchEngine(model, eos_token_ids=()).run_until_done([req])[0]
+
+    source = TorchEngine(model, max_batch=2, eos_token_ids=())
+    assert source.supports_kv_transfer
+    source.add_request(req)
+    source.add_request(GenerationRequest("long", [1, 2], SamplingParams(max_tokens=50)))
+    source.add_request(GenerationRequest("q2", [1], SamplingParams(max_tokens=3)))
+    for _ in range(7):
+        source.step()
+    exported = {r.request_id: r for r in source.export_with_kv(["mig", "q2"])}
+    moved = exported["mig"]
+    assert exported["q2"].kv is None  # never admitted: nothing cached
+    assert len(moved.resume_token_ids) == 7 and moved.kv is not None
+    assert moved.kv.num_tokens == 4 + 7 - 1 and len(moved.kv.keys) == 2
+    assert moved.kv.nbytes > 0
+
+    destination = TorchEngine(model, max_batch=3, eos_token_ids=())
+    destination.add_request(GenerationRequest("busy", [4, 4, 4], SamplingParams(max_tokens=9)))
+    destination.step()
+    before = destination.prefilled_tokens
+    resumed = {o.request_id: o for o in destination.run_until_done([moved])}["mig"]
+    assert destination.prefilled_tokens == before, "the migrated cache was prefilled again"
+    assert resumed.token_ids == uninterrupted.token_ids and resumed.num_resumed == 7
+    assert torch.allclose(
+        torch.tensor(resumed.logprobs), torch.tensor(uninterrupted.logprobs), atol=1e-5
+    )
+    # The same trajectory resumed by re-prefill pays for prompt + resumed tokens.
+    plain = GenerationRequest("mig", moved.prompt_token_ids, moved.params,
+                              moved.resume_token_ids, moved.resume_logprobs, 0)
+    again = TorchEngine(model, eos_token_ids=())
+    assert again.run_until_done([plain])[0].token_ids == uninterrupted.token_ids
+    assert again.prefilled_tokens == 4 + 7
+
+
+def test_kv_that_does_not_fit_is_refused(model, model64):
+    source = TorchEngine(model, eos_token_ids=())
+    source.add_request(GenerationRequest("a", [3, 4, 5], SamplingParams(max_tokens=8)))
+    for _ in range(3):
+        source.step()
+    moved = source.export_with_kv(["a"])[0]
+    other = TorchEngine(model64, eos_token_ids=())  # different head shapes
+    other.add_request(GenerationRequest("warm", [1], SamplingParams(max_tokens=2)))
+    other.run_until_done([])
+    with pytest.raises(EngineError, match=r"kv keys\[0\] is .*this engine caches"):
+        other.add_request(moved)
+    assert not other.has_unfinished()
+    with pytest.raises(ValueError, match="must cache prompt \\+ resumed tokens but the last"):
+        GenerationRequest("b", [1, 2], SamplingParams(), [7], [-0.1], 0, kv=moved.kv)
+
+
 def test_export_unknown_id_exports_nothing(model):
     engine = TorchEngine(model)
     engine.add_request(GenerationRequest("a", [1], SamplingParams(max_tokens=3)))

@@ -21,6 +21,7 @@ from .base import (
     GenerationEngine,
     GenerationOutput,
     GenerationRequest,
+    KVState,
     PartialProgress,
     SamplingParams,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "GenerationEngine",
     "GenerationOutput",
     "GenerationRequest",
+    "KVState",
     "LogNormalLengths",
     "ManualClock",
     "MonotonicClock",

@@ -20,6 +20,7 @@ from .base import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
+    KVState,
     PartialProgress,
 )
 
@@ -183,7 +184,8 @@ class SequenceTable:
         )
 
     @staticmethod
-    def resumable(seq: SequenceState, version: int) -> GenerationRequest:
+    def resumable(seq: SequenceState, version: int, kv: KVState | None = None
+                  ) -> GenerationRequest:
         """The request that continues ``seq`` elsewhere, pinned to the version that produced it."""
         return GenerationRequest(
             request_id=seq.request_id,
@@ -192,6 +194,7 @@ class SequenceTable:
             resume_token_ids=list(seq.token_ids),
             resume_logprobs=list(seq.logprobs),
             policy_version=version if seq.token_ids else seq.request.policy_version,
+            kv=kv,
         )
 
     def progress(self, version: int) -> list[PartialProgress]:

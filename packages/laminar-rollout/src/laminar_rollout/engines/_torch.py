@@ -16,7 +16,10 @@ How a step runs:
    to slot ``s`` at ``len_s``.
 2. **Admit and prefill.** Freed slots take queued requests; all of them are
    prefilled in one right-padded forward (``prompt + resume`` tokens) and
-   sample their first token from the last real position.
+   sample their first token from the last real position. A migrated request
+   that brings its cache (``request.kv``, from ``export_with_kv`` of another
+   ``TorchEngine`` with the same model shape) skips the prefill: its cache is
+   copied into the slot and it decodes from its last resumed token.
 
 Finished sequences free their slot within the step, so the next queued
 request starts in the same step. The engine never lets weights change under an
@@ -47,6 +50,7 @@ from .base import (
     GenerationEngine,
     GenerationOutput,
     GenerationRequest,
+    KVState,
     PartialProgress,
     check_load_weights_allowed,
     check_weight_version,
@@ -80,6 +84,9 @@ def _num_layers(cache: Any) -> int:
 
 class TorchEngine(GenerationEngine):
     """Continuous-batching generation engine on a transformers causal LM.
+
+    ``prefilled_tokens`` counts the tokens run through prefill forwards (what
+    KV transfer saves a migrated trajectory).
 
     Args:
         model: A loaded ``PreTrainedModel`` (causal LM), or a local directory
@@ -169,6 +176,8 @@ class TorchEngine(GenerationEngine):
         self._capacity = 0
         self._lens = [0] * max_batch
         self._pending = [0] * max_batch
+        self._num_layers = int(getattr(config, "num_hidden_layers", 0)) or None
+        self.prefilled_tokens = 0
 
     @staticmethod
     def _load(path: str | os.PathLike[str], dtype: torch.dtype | None) -> PreTrainedModel:
@@ -242,7 +251,53 @@ class TorchEngine(GenerationEngine):
                 f"request {request.request_id!r}: token id {bad[0]} is outside the model's "
                 f"vocabulary of {self._vocab}"
             )
+        if request.kv is not None:
+            self._check_kv(request)
         self._table.add(request, weight_version=self._version, eos_ids=self._eos)
+
+    supports_kv_transfer = True
+
+    def _check_kv(self, request: GenerationRequest) -> None:
+        kv = request.kv
+        where = f"request {request.request_id!r}: kv"
+        if kv.engine != "torch":
+            raise EngineError(f"{where} was written by a {kv.engine!r} engine, not 'torch'")
+        layers = len(self._keys) or self._num_layers
+        if len(kv.keys) != len(kv.values) or (layers and len(kv.keys) != layers):
+            raise EngineError(f"{where} has {len(kv.keys)}/{len(kv.values)} layers of keys/values,"
+                              f" the model has {layers}")
+        for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+            for name, t, store in (("keys", k, self._keys), ("values", v, self._values)):
+                if t.dim() != 3 or t.shape[1] != kv.num_tokens:
+                    raise EngineError(f"{where} {name}[{layer}] has shape {tuple(t.shape)}, "
+                                      f"expected [kv_heads, {kv.num_tokens}, head_dim]")
+                if store and (t.shape[0] != store[layer].shape[1] or
+                              t.shape[2] != store[layer].shape[3] or
+                              t.dtype != store[layer].dtype):
+                    want = store[layer]
+                    raise EngineError(
+                        f"{where} {name}[{layer}] is {tuple(t.shape)} {t.dtype}; this engine "
+                        f"caches [{want.shape[1]}, n, {want.shape[3]}] {want.dtype}")
+
+    def export_with_kv(self, request_ids: Iterable[str] | None = None
+                       ) -> list[GenerationRequest]:
+        """``export`` with the cache of every decoding request attached (copies)."""
+        if request_ids is not None and not isinstance(request_ids, str):
+            request_ids = list(request_ids)
+        slots = {s.request_id: s.slot for s in self._table.active()}
+        lens = list(self._lens)
+        seqs = self._table.take(request_ids)
+        out = []
+        for seq in seqs:
+            slot = slots.get(seq.request_id)
+            kv = None
+            if slot is not None and seq.token_ids:
+                n = lens[slot]
+                kv = KVState("torch", n,
+                             tuple(k[slot, :, :n].clone() for k in self._keys),
+                             tuple(v[slot, :, :n].clone() for v in self._values))
+            out.append(SequenceTable.resumable(seq, self._version, kv))
+        return out
 
     def has_unfinished(self) -> bool:
         return len(self._table) > 0
@@ -342,9 +397,13 @@ class TorchEngine(GenerationEngine):
                     )
                 else:
                     admitted.append(seq)
-            if admitted:
-                self._prefill(admitted)
-                finished.extend(self._collect(admitted))
+            with_kv = [s for s in admitted if s.request.kv is not None]
+            for seq in with_kv:
+                self._install_kv(seq)
+            to_prefill = [s for s in admitted if s not in with_kv]
+            if to_prefill:
+                self._prefill(to_prefill)
+                finished.extend(self._collect(to_prefill))
         return finished
 
     def _collect(self, seqs: list[SequenceState]) -> list[GenerationOutput]:
@@ -428,8 +487,10 @@ class TorchEngine(GenerationEngine):
             logits = logits[rows, torch.searchsorted(keep, last)]
         else:
             logits = self._forward(ids, mask, positions, cache, None)[rows, last]
+        self.prefilled_tokens += sum(len(x) for x in inputs)
         if not self._keys:
-            self._allocate(cache, width)
+            pairs = [_layer_kv(cache, layer) for layer in range(_num_layers(cache))]
+            self._allocate([k for k, _ in pairs], [v for _, v in pairs], width)
         self._ensure_capacity(width)
         for layer, (k_store, v_store) in enumerate(zip(self._keys, self._values)):
             keys, values = _layer_kv(cache, layer)
@@ -441,14 +502,30 @@ class TorchEngine(GenerationEngine):
             self._lens[seq.slot] = len(inputs[i])
         self._sample(seqs, logits)
 
-    def _allocate(self, cache: Any, needed: int) -> None:
+    def _install_kv(self, seq: SequenceState) -> None:
+        """Copy a migrated request's cache into its slot; it decodes from its last token."""
+        kv = seq.request.kv
+        if not self._keys:
+            self._allocate([k[None] for k in kv.keys], [v[None] for v in kv.values],
+                           kv.num_tokens + 1)
+        self._ensure_capacity(kv.num_tokens + 1)
+        n = kv.num_tokens
+        for k_store, v_store, k, v in zip(self._keys, self._values, kv.keys, kv.values):
+            k_store[seq.slot, :, :n] = k.to(self._device)
+            v_store[seq.slot, :, :n] = v.to(self._device)
+        self._lens[seq.slot] = n
+        self._pending[seq.slot] = seq.token_ids[-1]
+        seq.request.kv = None  # the slot holds it now
+
+    def _allocate(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  needed: int) -> None:
+        """Slot stores shaped like per-layer ``[batch, kv_heads, len, head_dim]`` examples."""
         capacity = min(self._context_length, max(needed, _MIN_CAPACITY))
-        for layer in range(_num_layers(cache)):
-            keys, values = _layer_kv(cache, layer)
-            shape_k = (self._table.max_batch, keys.shape[1], capacity, keys.shape[3])
-            shape_v = (self._table.max_batch, values.shape[1], capacity, values.shape[3])
-            self._keys.append(torch.zeros(shape_k, dtype=keys.dtype, device=keys.device))
-            self._values.append(torch.zeros(shape_v, dtype=values.dtype, device=values.device))
+        for k, v in zip(keys, values):
+            shape_k = (self._table.max_batch, k.shape[1], capacity, k.shape[3])
+            shape_v = (self._table.max_batch, v.shape[1], capacity, v.shape[3])
+            self._keys.append(torch.zeros(shape_k, dtype=k.dtype, device=self._device))
+            self._values.append(torch.zeros(shape_v, dtype=v.dtype, device=self._device))
         self._capacity = capacity
 
     def _ensure_capacity(self, needed: int) -> None:

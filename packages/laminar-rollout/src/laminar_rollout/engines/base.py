@@ -17,6 +17,12 @@ Invariants every engine keeps:
   ``prompt + resume`` tokens and continues; the final output holds the resumed
   tokens followed by the new ones. An engine whose weight version differs from
   the request's ``policy_version`` refuses it.
+- **KV transfer is an optional shortcut.** ``export_with_kv`` may attach a
+  request's attention cache (``GenerationRequest.kv``, a :class:`KVState`); an
+  engine of the same kind and model shape then continues from it without the
+  re-prefill. Engines without it (``supports_kv_transfer`` False) export plain
+  resumable requests, and a request's ``kv`` must fit the engine that takes it
+  or it is refused at ``add_request``.
 - **Budgets count the whole trajectory.** ``max_tokens`` bounds resumed plus
   newly generated tokens, and prompt plus response never exceed the engine's
   ``context_length``.
@@ -125,6 +131,26 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(slots=True, frozen=True)
+class KVState:
+    """The attention cache of one exported sequence (see ``export_with_kv``).
+
+    ``keys[layer]`` / ``values[layer]`` are ``[kv_heads, num_tokens, head_dim]``
+    for positions ``0 .. num_tokens - 1``: the prompt and every resumed token
+    but the last, which the taking engine feeds as its next decode input.
+    ``engine`` names the engine kind that wrote it (only that kind reads it).
+    """
+
+    engine: str
+    num_tokens: int
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """One prompt to complete, possibly resuming a migrated trajectory.
@@ -139,6 +165,8 @@ class GenerationRequest:
         policy_version: The weight version that produced the resumed tokens.
             Required when resuming; when set, an engine at another version
             refuses the request.
+        kv: The attention cache of prompt + resumed tokens (all but the last
+            resumed one), from ``export_with_kv``; ``None`` re-prefills.
 
     Raises:
         ValueError: naming the offending field.
@@ -150,6 +178,7 @@ class GenerationRequest:
     resume_token_ids: list[int] = field(default_factory=list)
     resume_logprobs: list[float] = field(default_factory=list)
     policy_version: int | None = None
+    kv: KVState | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -174,6 +203,14 @@ class GenerationRequest:
                 f"policy_version is required when resume_token_ids is non-empty "
                 f"(request {self.request_id!r})"
             )
+        if self.kv is not None:
+            cached = len(self.prompt_token_ids) + len(self.resume_token_ids) - 1
+            if not self.resume_token_ids or self.kv.num_tokens != cached:
+                raise ValueError(
+                    f"kv of request {self.request_id!r} caches {self.kv.num_tokens} tokens; "
+                    f"it must cache prompt + resumed tokens but the last ({cached}), and only "
+                    "a request with resumed tokens carries one"
+                )
 
 
 @dataclass(slots=True)
@@ -278,6 +315,19 @@ class GenerationEngine(abc.ABC):
             EngineError: an id is not unfinished on this engine (nothing is
                 exported then).
         """
+
+    supports_kv_transfer: bool = False
+    """Whether ``export_with_kv`` attaches caches and ``add_request`` takes them."""
+
+    def export_with_kv(self, request_ids: Iterable[str] | None = None
+                       ) -> list[GenerationRequest]:
+        """``export``, with each decoding request's attention cache in ``request.kv``.
+
+        The hook for moving KV instead of re-prefilling on the destination.
+        Engines without KV transfer (this default) return plain ``export``
+        requests; queued requests never carry a cache.
+        """
+        return self.export(request_ids)
 
     @abc.abstractmethod
     def abort(self, request_ids: Iterable[str] | None = None) -> list[GenerationOutput]:
