@@ -92,15 +92,14 @@ def run(args: argparse.Namespace) -> dict:
     from laminar_common.tasks import TASKS, make_task_records, score_completion
     from laminar_trainer.loss import compute_grpo_advantages, compute_policy_loss
     from laminar_trainer.model import (
-        DEFAULT_WARM_START_STEPS,
         compute_token_logprobs,
         decode_completion,
         encode_prompts,
         evaluate_accuracy,
         generate_completions,
         pack_sequences,
-        warm_start,
     )
+    from laminar_trainer.warmstart import DEFAULT_WARM_START_STEPS, warm_start
 
     torch.set_num_threads(args.threads)
     difficulty = {

@@ -17,7 +17,6 @@ from laminar_trainer.model import (
     EOS_ID,
     PAD_ID,
     UNK_ID,
-    _with_mistakes,
     build_tiny_model,
     build_tokenizer,
     compute_token_logprobs,
@@ -26,9 +25,8 @@ from laminar_trainer.model import (
     evaluate_accuracy,
     generate_completions,
     pack_sequences,
-    train_supervised,
-    warm_start,
 )
+from laminar_trainer.warmstart import _with_mistakes, train_supervised, warm_start
 
 SMALL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 

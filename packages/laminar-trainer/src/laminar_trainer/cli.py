@@ -49,7 +49,7 @@ def _warmstart(args) -> int:
 
     from laminar_common.tasks import parse_difficulty
 
-    from .model import DEFAULT_WARM_START_STEPS, warm_start
+    from .warmstart import DEFAULT_WARM_START_STEPS, warm_start
 
     out = Path(args.out)
     if (out / "warm_start.json").is_file() and not args.force:
