@@ -85,3 +85,91 @@ def test_laminar_up_ray_backend_restarts_a_killed_replica(tmp_path):
         assert up.proc.wait(120) == 0
     finally:
         up.stop(grace_s=60)
+
+
+def _laminar(*args: str, timeout_s: float = 60):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "laminar_common.cli", *args],
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_laminar_up_serves_embedded_etcd_over_mutual_tls_from_auth_dir(tmp_path):
+    """One switch: with `auth.dir` from `laminar keys --etcd` in every tier, the embedded
+    etcd serves https with client certificates, the tiers reach it, plaintext does not."""
+    import re
+
+    import pytest
+
+    from laminar_common.errors import EtcdUnavailableError
+    from laminar_common.etcd import EtcdCoordinator
+
+    keys = tmp_path / "keys"
+    made = _laminar("keys", "--etcd", "--out", str(keys))
+    assert made.returncode == 0, made.stderr
+    job = yaml.safe_load((REPO / "examples" / "simulated.yaml").read_text())
+    job["job"] = "simtls"
+    job["run_dir"] = str(tmp_path / "run")
+    # Long enough that the run is still up while the checks below talk to its etcd.
+    job["tiers"]["trainer"]["config"]["total_steps"] = 60
+    for spec in job["tiers"].values():
+        spec["config"]["auth"] = {"dir": str(keys)}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.cli", "up", str(path)],
+                      str(tmp_path / "up.log"), cwd=str(tmp_path))
+    try:
+        endpoint = up.wait_for_line(r"etcd at (https://127\.0\.0\.1:\d+) \(mutual TLS", 60)[1]
+        up.wait_for_line(r"trainer: STEP 2 ", 90)
+        for name in ("relay", "manager", "worker-0", "worker-1", "trainer"):
+            written = yaml.safe_load((tmp_path / "run" / "configs" / f"{name}.yaml").read_text())
+            assert written["etcd"]["endpoints"] == [endpoint], name
+
+        tls = {"ca_cert": str(keys / "etcd-ca.pem"), "client_cert": str(keys / "etcd-client.pem"),
+               "client_key": str(keys / "etcd-client-key.pem")}
+        client = EtcdCoordinator([endpoint], "simtls", connect_timeout_s=10, **tls)
+        assert {"relay-0", "manager", "worker-0", "worker-1", "trainer"} <= set(client.members())
+        bare = endpoint.removeprefix("https://")
+        with pytest.raises(EtcdUnavailableError, match=re.escape(f"etcd at http://{bare} ")):
+            EtcdCoordinator([bare], "simtls", connect_timeout_s=2)
+        status = _laminar("status", "--etcd", endpoint, "--job", "simtls",
+                          "--auth-dir", str(keys))
+        assert status.returncode == 0, status.stderr
+        assert re.search(r"^  trainer\s+trainer\s", status.stdout, re.M), status.stdout
+        assert re.search(r"^trainer: step \d+/60 ", status.stdout, re.M), status.stdout
+        # etcd was up all along: the refusal above was TLS, not a stopped server.
+        assert "trainer" in client.members()
+        assert not any("trainer exited" in line for line in up.lines)
+        client.close()
+
+        up.wait_for_line(r"trainer exited with \[0\]", 120)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.stop(grace_s=30)
+    summary = json.loads((tmp_path / "run" / "trainer" / "summary.json").read_text())
+    assert summary["steps"] == 60
+
+
+def test_laminar_up_refuses_tiers_mixing_etcd_tls_and_plaintext(tmp_path):
+    import re
+
+    from laminar_common.auth import create_keys
+
+    with_etcd = create_keys(tmp_path / "keys", etcd_hosts=[])
+    without_etcd = create_keys(tmp_path / "plain")
+    job = yaml.safe_load((REPO / "examples" / "simulated.yaml").read_text())
+    job["run_dir"] = str(tmp_path / "run")
+    job["setup"] = []
+    for tier in ("relay", "trainer"):
+        job["tiers"][tier]["config"]["auth"] = {"dir": str(with_etcd)}
+    job["tiers"]["manager"]["config"]["auth"] = {"dir": str(without_etcd)}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    out = _laminar("up", str(path), timeout_s=90)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "laminar up: error:" in out.stderr
+    assert re.search(r"tiers relay \(auth\.dir .*\), trainer \(auth\.dir .*\) take etcd TLS",
+                     out.stderr), out.stderr
+    assert f"manager (auth.dir {str(without_etcd)!r} has no etcd-ca.pem)" in out.stderr
+    assert "worker (no auth.dir)" in out.stderr
+    assert "started " not in out.stdout and "etcd at" not in out.stdout

@@ -19,6 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("etcd", help="run a local etcd on a free loopback port until Ctrl-C")
     e.add_argument("--data-dir", help="data dir (default: a new temp dir)")
     e.add_argument("--port", type=int, help="client port (default: a free one)")
+    e.add_argument("--auth-dir", metavar="DIR",
+                   help="serve https:// with DIR's etcd-*.pem (from `laminar keys --etcd`), "
+                        "requiring client certificates when DIR has etcd-client.pem")
 
     m = sub.add_parser("member", help="run a probe member (registers, serves a sink)")
     m.add_argument("--config", help="YAML or TOML config file")
@@ -61,8 +64,18 @@ def _parser() -> argparse.ArgumentParser:
                         "127.0.0.1 and localhost (repeatable; implies --etcd)")
 
     s = sub.add_parser("status", help="show a job's members and latest weight version")
-    s.add_argument("--etcd", default="127.0.0.1:2379", help="etcd endpoint host:port")
+    s.add_argument("--etcd", default="127.0.0.1:2379",
+                   help="etcd endpoint host:port, or https://host:port (etcd.endpoints)")
     s.add_argument("--job", required=True, help="job name")
+    s.add_argument("--auth-dir", metavar="DIR",
+                   help="take the etcd TLS files from DIR as a tier's auth.dir does "
+                        "(etcd-ca.pem, etcd-client.pem, etcd-client-key.pem); a DIR without "
+                        "etcd-ca.pem leaves etcd plaintext")
+    s.add_argument("--etcd-ca", metavar="PEM",
+                   help="CA of etcd's server certificate; turns TLS on (etcd.ca_cert)")
+    s.add_argument("--etcd-cert", metavar="PEM",
+                   help="client certificate for mutual TLS (etcd.client_cert)")
+    s.add_argument("--etcd-key", metavar="PEM", help="key of --etcd-cert (etcd.client_key)")
     return p
 
 
@@ -118,7 +131,13 @@ def _cmd_etcd(args, setup_logging) -> int:
     from .launcher_etcd import LocalEtcd
 
     setup_logging("INFO")
-    etcd = LocalEtcd(data_dir=args.data_dir, port=args.port).start()
+    mutual = False
+    if args.auth_dir:
+        from .auth import etcd_tls_paths
+
+        mutual = "client_cert" in etcd_tls_paths(args.auth_dir)
+    etcd = LocalEtcd(data_dir=args.data_dir, port=args.port, tls_dir=args.auth_dir,
+                     client_cert_auth=mutual).start()
     print(f"etcd listening on {etcd.endpoint} (data dir {etcd.data_dir}); Ctrl-C stops it",
           flush=True)
     done = threading.Event()
@@ -179,9 +198,14 @@ def _cmd_prompts(args) -> int:
 def _cmd_status(args) -> int:
     import json
 
+    from .auth import etcd_tls_paths
     from .etcd import EtcdCoordinator
 
-    coord = EtcdCoordinator([args.etcd], args.job, connect_timeout_s=5)
+    tls = {"ca_cert": args.etcd_ca, "client_cert": args.etcd_cert, "client_key": args.etcd_key}
+    # The tiers' rule: explicit files win over the dir's, all three together.
+    if args.auth_dir and not any(tls.values()):
+        tls.update(etcd_tls_paths(args.auth_dir))
+    coord = EtcdCoordinator([args.etcd], args.job, connect_timeout_s=5, **tls)
     try:
         latest = coord.latest_version()
         print(f"job {args.job}: latest weight version "

@@ -1,7 +1,7 @@
 """``laminar up job.yaml``: start a whole stack from one job file (local backend).
 
-Owns reading the job file, starting an embedded etcd (or using the given
-endpoints), running the job's set-up commands, writing one config file per
+Owns reading the job file, running the job's set-up commands, starting an
+embedded etcd (or using the given endpoints), writing one config file per
 tier replica and starting each tier's own CLI as a child process with its log
 in ``<run_dir>/logs/``. It imports no tier: it only runs their entry points.
 
@@ -23,6 +23,15 @@ Job file::
 Strings may use ``{run_dir}``, ``{job}``, ``{name}`` (tier replica name) and
 ``{index}``. Every tier config gets ``job`` and ``etcd.endpoints`` filled in.
 
+The embedded etcd follows the tiers' ``auth.dir`` (the one switch): when every
+tier's ``auth.dir`` holds the ``laminar keys --etcd`` files (and the tier sets
+no ``etcd.ca_cert`` / ``client_cert`` / ``client_key`` of its own), etcd
+serves ``https://127.0.0.1:PORT`` with them, requiring client certificates
+when the dir has ``etcd-client.pem``; when none does, it serves plaintext. A
+mix is a :class:`ConfigError` naming the tiers. It starts after the set-up
+commands, so a set-up step may write the keys (``laminar keys --etcd --out
+{run_dir}/keys``).
+
 Invariants: children are stopped (SIGTERM, then SIGKILL) in reverse start
 order on exit, failure or Ctrl-C — only the pids this launcher started.
 """
@@ -42,6 +51,7 @@ from typing import Any
 import yaml
 from pydantic import Field
 
+from .auth import ETCD_CA, etcd_tls_paths
 from .config import LaminarModel, read_config_file
 from .errors import ConfigError, LaminarError
 from .launcher_etcd import LocalEtcd
@@ -146,13 +156,62 @@ class LocalLauncher:
 
     def start_etcd(self) -> None:
         if self.job.etcd.embedded and not self.endpoints:
+            tls_dir, mutual = self.embedded_etcd_tls()
             data_dir = self.run_dir / "etcd"
             data_dir.mkdir(parents=True, exist_ok=True)
-            self.etcd = LocalEtcd(data_dir=str(data_dir)).start()
+            self.etcd = LocalEtcd(data_dir=str(data_dir), tls_dir=tls_dir,
+                                  client_cert_auth=mutual).start()
             self.endpoints = [self.etcd.endpoint]
-            self._say(f"etcd at {self.etcd.endpoint}")
+            how = "" if tls_dir is None else \
+                f" ({'mutual ' if mutual else ''}TLS with {tls_dir}/etcd-*.pem)"
+            self._say(f"etcd at {self.etcd.endpoint}{how}")
         if not self.endpoints:
             raise ConfigError("etcd: set embedded: true or give endpoints")
+
+    def embedded_etcd_tls(self) -> tuple[Path | None, bool]:
+        """How the embedded etcd serves, decided by the tiers' ``auth.dir``.
+
+        Returns:
+            ``(None, False)``: plaintext (no tier takes etcd TLS from its
+            ``auth.dir``); else the dir whose ``etcd-*.pem`` etcd serves and
+            whether it requires client certificates (every such dir has
+            ``etcd-client.pem``).
+
+        Raises:
+            ConfigError: some tiers take etcd TLS from ``auth.dir`` and others
+                do not, or their dirs hold different etcd CAs.
+        """
+        with_tls: dict[str, dict[str, str]] = {}
+        without: dict[str, str] = {}
+        for tier, spec in self.job.tiers.items():
+            _, _, config = self._replica(tier, spec, 0)
+            paths, reason = _etcd_tls_of(tier, config)
+            if paths:
+                with_tls[tier] = paths
+            else:
+                without[tier] = reason
+        if not with_tls:
+            return None, False
+        if without:
+            raise ConfigError(
+                "the embedded etcd serves either TLS or plaintext to every tier, but tiers "
+                + ", ".join(f"{t} (auth.dir {str(Path(p['ca_cert']).parent)!r})"
+                            for t, p in with_tls.items())
+                + " take etcd TLS from auth.dir and tiers "
+                + ", ".join(f"{t} ({why})" for t, why in without.items())
+                + " do not: set the same auth.dir (from `laminar keys --etcd`) in every tier, "
+                  "or none")
+        cas = {tier: Path(p["ca_cert"]).read_bytes() for tier, p in with_tls.items()}
+        first = next(iter(with_tls))
+        differ = [t for t, ca in cas.items() if ca != cas[first]]
+        if differ:
+            raise ConfigError(
+                f"tiers {first} and {', '.join(differ)} take etcd TLS from auth.dirs with "
+                f"different {ETCD_CA} ({with_tls[first]['ca_cert']!r}, "
+                f"{with_tls[differ[0]]['ca_cert']!r}); the embedded etcd trusts one CA: "
+                "use one auth.dir for the whole job")
+        mutual = all("client_cert" in p for p in with_tls.values())
+        return Path(with_tls[first]["ca_cert"]).parent, mutual
 
     def run_setup(self) -> None:
         logs = self.run_dir / "logs"
@@ -178,10 +237,15 @@ class LocalLauncher:
         """How many replicas of ``spec`` to start (``-1``, one per node, is 1 here)."""
         return 1 if spec.replicas == -1 else spec.replicas
 
-    def replica_argv(self, tier: str, spec: TierSpec, index: int) -> tuple[str, list[str]]:
+    def _replica(self, tier: str, spec: TierSpec,
+                 index: int) -> tuple[str, dict[str, str], dict[str, Any]]:
+        """A replica's name, its substitutions and its config as the job file gives it."""
         name = tier if spec.replicas == 1 else f"{tier}-{index}"
         subs = dict(self.subs, name=name, index=str(index))
-        config = _fill(dict(spec.config), subs)
+        return name, subs, _fill(dict(spec.config), subs)
+
+    def replica_argv(self, tier: str, spec: TierSpec, index: int) -> tuple[str, list[str]]:
+        name, subs, config = self._replica(tier, spec, index)
         config["job"] = self.job.job
         etcd = dict(config.get("etcd", {}))
         etcd.setdefault("endpoints", self.endpoints)
@@ -228,8 +292,8 @@ class LocalLauncher:
                     for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.start_etcd()
             self.run_setup()
+            self.start_etcd()
             started = self.start_tiers()
             target = started[self.job.wait_for]
             deadline = time.monotonic() + self.job.timeout_s
@@ -277,6 +341,34 @@ class LocalLauncher:
         self._say(f"metrics: {run_dir}/metrics.jsonl; summary: {run_dir}/summary.json")
         self._say("plot: " + (", ".join(map(str, plots)) if plots else
                               "none (pip install matplotlib to plot)"))
+
+
+def _etcd_tls_of(tier: str, config: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """The etcd TLS files a tier's config takes from its ``auth.dir``, or why none.
+
+    The same rule as ``LaminarModel._etcd_tls_from_auth_dir``, applied to the
+    job file's dict: the launcher imports no tier config class.
+
+    Returns:
+        ``(paths, "")`` with :func:`~laminar_common.auth.etcd_tls_paths`'s
+        fields, or ``({}, reason)``.
+    """
+    auth = config.get("auth")
+    auth_dir = auth.get("dir") if isinstance(auth, dict) else None
+    if not isinstance(auth_dir, str):
+        return {}, "no auth.dir"
+    etcd = config.get("etcd")
+    own = [k for k in ("ca_cert", "client_cert", "client_key")
+           if isinstance(etcd, dict) and etcd.get(k) is not None]
+    if own:
+        return {}, f"sets etcd.{own[0]}, which wins over auth.dir"
+    try:
+        paths = etcd_tls_paths(auth_dir)
+    except ConfigError as exc:
+        raise ConfigError(f"tiers.{tier}.config.auth.dir: {exc}") from exc
+    if not paths:
+        return {}, f"auth.dir {auth_dir!r} has no {ETCD_CA}"
+    return paths, ""
 
 
 def _resolve(argv: list[str]) -> list[str]:

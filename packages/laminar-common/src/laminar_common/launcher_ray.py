@@ -17,7 +17,8 @@ restarted by Ray, up to the tier's ``max_restarts`` (-1: always); the
 
 etcd: the embedded etcd listens on this machine's loopback, which is right
 for a single-node Ray; a multi-node cluster needs ``etcd.endpoints`` that
-every node can reach.
+every node can reach. It serves TLS exactly as with the local backend (the
+tiers' ``auth.dir``; see :mod:`laminar_common.launcher`).
 """
 
 from __future__ import annotations
@@ -155,8 +156,8 @@ class RayLauncher(LocalLauncher):
                     for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.start_etcd()
             self.run_setup()
+            self.start_etcd()
             started = self.start_tiers()
             target = started[self.job.wait_for][0]
             others = [a for _, a in self.actors if a is not target]

@@ -2,7 +2,9 @@
 
 Reads ``metrics.jsonl`` (one object per trainer step) and ``summary.json``
 written by the trainer. Plots need matplotlib (``laminar-common[report]``);
-without it only the text is produced, and the output says so.
+without it only the text is produced, and the output says so. A file that is
+not what the trainer writes (a torn line, a row without a field the report
+uses) is a :class:`LaminarError` naming the file and line, never a traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +18,29 @@ __all__ = ["load_metrics", "summarize", "write_plots", "write_timeline", "find_w
            "busy_in_window"]
 
 
+_ROW_FIELDS = ("step", "version", "time", "reward_mean", "tokens_per_s", "step_s", "wait_s")
+_SUMMARY_FIELDS = ("tokens_per_s", "tokens_consumed", "trainer_idle_fraction", "staleness_mean",
+                   "stall_mean_s", "send_mean_s")
+
+
+def _checked(value: object, fields: tuple[str, ...], where: str) -> dict:
+    """``value`` if it is a JSON object holding ``fields``."""
+    if not isinstance(value, dict):
+        raise LaminarError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    missing = [f for f in fields if f not in value]
+    if missing:
+        raise LaminarError(f"{where}: lacks {', '.join(missing)}; "
+                           "is it written by laminar-trainer?")
+    return value
+
+
 def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
+    """The rows of ``metrics.jsonl`` and ``summary.json`` (``{}`` until the run ends).
+
+    Raises:
+        LaminarError: no ``metrics.jsonl``, or a line / file that is not valid
+            JSON or lacks a field the report uses (named as ``path:line``).
+    """
     run = Path(run_dir)
     path = run / "metrics.jsonl"
     if not path.is_file():
@@ -25,11 +49,18 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise LaminarError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
+            rows.append(_checked(row, _ROW_FIELDS, f"{path}:{lineno}"))
     summary_path = run / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary: dict = {}
+    if summary_path.is_file():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise LaminarError(f"{summary_path}:{exc.lineno}: not valid JSON: {exc.msg}") from exc
+        summary = _checked(summary, _SUMMARY_FIELDS, str(summary_path))
     return rows, summary
 
 

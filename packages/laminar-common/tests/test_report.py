@@ -1,0 +1,243 @@
+"""`laminar report RUN_DIR` on a trainer run dir written by hand in the trainer's formats.
+
+The files mirror what laminar-trainer's ``TrainerService`` writes (a
+``metrics.jsonl`` row per step from ``_one_step``/``_write_metrics``,
+``consumed.jsonl`` from ``_log_consumed``, ``summary.json`` from ``_finish``)
+and what a rollout worker writes to its ``stats_path`` on exit
+(``RolloutWorker.stats()``), with numbers chosen so every figure of the
+report can be computed here.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from laminar_common.cli import main
+from laminar_common.errors import LaminarError
+from laminar_common.report import busy_in_window, find_worker_stats, load_metrics, summarize
+
+T0 = 1_700_000_000.0
+"""Wall time of the first step's start of waiting (the trainer's ``_t_first_step``)."""
+
+# Per step: seconds waited for data, seconds of the step, and the step's trajectories as
+# (reward, response tokens, staleness = trainer version at consume - generating version).
+STEPS = [
+    (0.50, 0.20, [(0.0, 10, 0), (1.0, 12, 0), (0.0, 8, 0), (0.0, 10, 0)]),
+    (0.10, 0.20, [(1.0, 11, 0), (1.0, 9, 1), (0.0, 10, 1), (1.0, 14, 1)]),
+    (0.05, 0.25, [(1.0, 10, 1), (1.0, 10, 2), (1.0, 6, 1), (0.0, 12, 2)]),
+    (0.15, 0.20, [(1.0, 10, 1), (1.0, 10, 1), (1.0, 10, 2), (1.0, 10, 0)]),
+]
+STALLS = [0.002, 0.004, 0.003, 0.005]
+SENDS = [0.020, 0.030, 0.025, 0.025]
+EVAL_BEFORE, EVAL_AT_2, EVAL_AFTER = 0.125, 0.25, 0.5
+FINISH_S = 0.1
+"""Seconds between the last step's end and the summary (its held-out evaluation)."""
+
+
+def _write_run(run: Path) -> dict:
+    """Write a finished 4-step run (publish every step, eval every 2) as the trainer does.
+
+    Returns what the report must show, computed the trainer's way.
+    """
+    run.mkdir(parents=True)
+    end, tokens_consumed, hist = T0, 0, {}
+    with open(run / "metrics.jsonl", "w") as metrics, open(run / "consumed.jsonl", "w") as consumed:
+        for i, (wait_s, step_s, trajs) in enumerate(STEPS):
+            step = version = i + 1
+            end += wait_s + step_s
+            tokens = sum(t for _, t, _ in trajs)
+            tokens_consumed += tokens
+            staleness = [s for _, _, s in trajs]
+            for s in staleness:
+                hist[s] = hist.get(s, 0) + 1
+            row = {
+                "step": step, "version": version, "time": end,
+                "loss": 0.5 / step, "reward_mean": statistics.fmean(r for r, _, _ in trajs),
+                "tokens": tokens, "tokens_per_s": tokens_consumed / (end - T0),
+                "step_s": step_s, "wait_s": wait_s, "stall_s": STALLS[i],
+                "staleness_mean": statistics.fmean(staleness), "staleness_max": max(staleness),
+                "buffer": 2, "simulated": False, "kl": 0.01 * step, "grad_norm": 1.5,
+            }
+            if step % 2 == 0:
+                row["eval_accuracy"] = EVAL_AT_2 if step == 2 else EVAL_AFTER
+            ids = [f"p{i}-{j}:v{version - 1 - s}" for j, (_, _, s) in enumerate(trajs)]
+            consumed.write(json.dumps({"step": step, "version": version, "ids": ids}) + "\n")
+            metrics.write(json.dumps(row) + "\n")
+    elapsed = end + FINISH_S - T0
+    hist = dict(sorted(hist.items()))
+    total = sum(hist.values())
+    summary = {
+        "steps": len(STEPS), "version": len(STEPS), "eval_before": EVAL_BEFORE,
+        "eval_after": EVAL_AFTER, "tokens_consumed": tokens_consumed,
+        "tokens_per_s": tokens_consumed / elapsed,
+        "trainer_idle_fraction": sum(w for w, _, _ in STEPS) / elapsed,
+        "staleness_hist": hist, "staleness_mean": sum(k * v for k, v in hist.items()) / total,
+        "publishes": len(STEPS), "publish_failed": 0,
+        "stall_mean_s": statistics.fmean(STALLS), "send_mean_s": statistics.fmean(SENDS),
+        "buffer": {"received": 17, "duplicates": 1, "already_consumed": 0, "dropped_full": 0,
+                   "dropped_stale": 0, "downweighted": 0, "reward_errors": 0,
+                   "staleness": hist},
+        "simulated_step": False, "run_dir": str(run), "tracker_errors": 0,
+    }
+    # json.dumps turns the histogram's int keys into strings, as in the trainer's file.
+    (run / "summary.json").write_text(json.dumps(summary, indent=2))
+    return {"tokens_consumed": tokens_consumed, "elapsed": elapsed, "hist": hist,
+            "summary": json.loads(json.dumps(summary))}
+
+
+def _write_worker_stats(run: Path, worker_id: str, started_at: float,
+                        timeline: list[tuple[float, str]]) -> None:
+    """A worker's ``stats_path`` file (``{run_dir}/trainer/{name}.stats.json``)."""
+    uptime = timeline[-1][0] + 1.0
+    busy = sum(b[0] - a[0] for a, b in zip(timeline, timeline[1:]) if a[1] == "busy")
+    stats = {"worker_id": worker_id, "uptime_s": uptime, "busy_s": busy,
+             "busy_fraction": busy / uptime, "weight_wait_s": 0.1,
+             "counters": {"requests": 12, "finished": 12}, "weight_version": 4, "outbox": 0,
+             "started_at": started_at, "timeline": [list(e) for e in timeline]}
+    (run / f"{worker_id}.stats.json").write_text(json.dumps(stats))
+
+
+@pytest.fixture
+def run(tmp_path):
+    run = tmp_path / "run" / "trainer"
+    expected = _write_run(run)
+    # worker-1 started before the trainer; worker-0 after; both given in relative seconds.
+    _write_worker_stats(run, "worker-1", T0 - 1.0,
+                        [(0.0, "idle"), (1.2, "busy"), (1.6, "weights"), (1.7, "busy"),
+                         (2.5, "idle")])
+    _write_worker_stats(run, "worker-0", T0 + 0.25,
+                        [(0.0, "busy"), (0.75, "idle"), (1.0, "busy")])
+    return run, expected
+
+
+def test_summary_text_shows_the_run_numbers(run):
+    run_dir, expected = run
+    rows, summary = load_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    text = summarize(rows, summary)
+    first = statistics.fmean(r for r, _, _ in STEPS[0][2])
+    last = statistics.fmean(r for r, _, _ in STEPS[-1][2])
+    assert (first, last) == (0.25, 1.0)
+    s = expected["summary"]
+    assert text.splitlines() == [
+        "steps: 4 (weight version 4)",
+        "train reward: first step 0.250, last step 1.000",
+        "held-out accuracy: before 0.125, after 0.500 (+37.5 points)",
+        f"throughput: {expected['tokens_consumed'] / expected['elapsed']:.1f} trajectory "
+        f"tokens/s consumed ({expected['tokens_consumed']} tokens)",
+        f"trainer idle fraction: {0.8 / expected['elapsed']:.2f}",
+        "staleness (trainer version at consume - generating version): 0: 6, 1: 7, 2: 3; "
+        f"mean {(7 + 2 * 3) / 16:.2f}",
+        f"publish stall per version: {1000 * statistics.fmean(STALLS):.1f} ms mean; "
+        f"background send {1000 * statistics.fmean(SENDS):.1f} ms mean",
+    ]
+    # The hand-computed figures agree with the file the report read them from.
+    assert expected["tokens_consumed"] == 162 and s["tokens_consumed"] == 162
+    assert s["staleness_hist"] == {"0": 6, "1": 7, "2": 3}
+    assert "NOTE: simulated" not in text
+
+
+def test_summary_before_the_run_ends_has_only_the_rows(run):
+    run_dir, _ = run
+    (run_dir / "summary.json").unlink()
+    rows, summary = load_metrics(run_dir)
+    assert summary == {}
+    assert summarize(rows, summary).splitlines() == [
+        "steps: 4 (weight version 4)", "train reward: first step 0.250, last step 1.000"]
+
+
+def test_worker_timelines_are_found_sorted_and_measured_in_the_trainer_window(run):
+    run_dir, _ = run
+    rows, _ = load_metrics(run_dir)
+    workers = find_worker_stats(run_dir)
+    assert [w["worker_id"] for w in workers] == ["worker-0", "worker-1"]
+    t0 = rows[0]["time"] - rows[0]["step_s"] - rows[0]["wait_s"]
+    t1 = rows[-1]["time"]
+    assert t0 == pytest.approx(T0) and t1 == pytest.approx(T0 + 1.65)
+    # worker-0 (from T0+0.25): busy 0.25-1.0, idle 1.0-1.25, busy 1.25-1.65 (window end).
+    assert busy_in_window(workers[0], t0, t1) == pytest.approx((0.75 + 0.40) / 1.65)
+    # worker-1 (from T0-1): idle until T0+0.2, busy 0.2-0.6, weights 0.6-0.7,
+    # busy 0.7-1.5, idle after.
+    assert busy_in_window(workers[1], t0, t1) == pytest.approx((0.4 + 0.8) / 1.65)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    """Width and height of a PNG whose signature, IHDR and IEND chunks (with CRCs) check."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    chunks, pos = [], 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, f"{path}: bad CRC in {kind!r}"
+        chunks.append((kind, body))
+        pos += 12 + length
+    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND", [k for k, _ in chunks]
+    assert any(k == b"IDAT" for k, _ in chunks)
+    return struct.unpack(">II", chunks[0][1][:8])
+
+
+def test_cli_prints_the_summary_and_writes_valid_plots(run, capsys):
+    pytest.importorskip("matplotlib")
+    run_dir, expected = run
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 4 (weight version 4)" in out
+    assert f"({expected['tokens_consumed']} tokens)" in out
+    report, timeline = run_dir / "report.png", run_dir / "timeline.png"
+    assert f"plots: {report}, {timeline}" in out
+    # figsize (14, 3.8) at 100 dpi; the timeline is 12 inches wide at 90 dpi.
+    assert _png_size(report) == (1400, 380)
+    assert _png_size(timeline)[0] == 1080
+    assert report.stat().st_size > 20_000 and timeline.stat().st_size > 5_000
+
+
+def test_cli_without_matplotlib_says_so(run, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    run_dir, _ = run
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 4 (weight version 4)" in out
+    assert "plots: none (pip install 'laminar-common[report]' for matplotlib)" in out
+    assert not (run_dir / "report.png").exists()
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ('{"step": 3, "version": 3, "time": 1700000001.2, "reward_m', r"not valid JSON"),
+    ("[1, 2, 3]", r"expected a JSON object, got list"),
+    ('{"step": 3, "version": 3}', r"lacks time, reward_mean, tokens_per_s, step_s, wait_s"),
+])
+def test_a_malformed_metrics_line_is_named_by_file_and_line(run, capsys, bad_line, message):
+    run_dir, _ = run
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[2] = bad_line
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(LaminarError, match=rf"metrics\.jsonl:3: {message}"):
+        load_metrics(run_dir)
+    assert main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"laminar report: error: {path}:3: "), err
+    assert not (run_dir / "report.png").exists()
+
+
+def test_a_torn_summary_is_named(run, capsys):
+    run_dir, _ = run
+    path = run_dir / "summary.json"
+    path.write_text(path.read_text()[:40])
+    assert main(["report", str(run_dir)]) == 2
+    assert f"laminar report: error: {path}:" in capsys.readouterr().err
+
+
+def test_a_dir_without_metrics_is_not_a_trainer_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "has no metrics.jsonl: is it a trainer run_dir?" in capsys.readouterr().err
