@@ -185,18 +185,24 @@ def etcd_tls_paths(path: str | Path) -> dict[str, str]:
         ``etcd-client.pem`` and ``etcd-client-key.pem`` are there.
 
     Raises:
-        ConfigError: only one of ``etcd-client.pem`` / ``etcd-client-key.pem`` exists.
+        ConfigError: only one of ``etcd-client.pem`` / ``etcd-client-key.pem`` exists,
+            or ``path`` cannot be looked at (a name too long, no permission).
     """
     d = Path(path)
-    if not (d / ETCD_CA).is_file():
+    try:
+        has_ca, has_cert, has_key = (
+            (d / name).is_file() for name in (ETCD_CA, ETCD_CLIENT_CERT, ETCD_CLIENT_KEY))
+    except OSError as exc:
+        raise ConfigError(f"auth.dir {str(d)!r} cannot be read: {exc.strerror or exc}") from exc
+    if not has_ca:
         return {}
     out = {"ca_cert": str(d / ETCD_CA)}
     cert, key = d / ETCD_CLIENT_CERT, d / ETCD_CLIENT_KEY
-    if cert.is_file() != key.is_file():
-        have, missing = (cert, key) if cert.is_file() else (key, cert)
+    if has_cert != has_key:
+        have, missing = (cert, key) if has_cert else (key, cert)
         raise ConfigError(f"auth.dir {str(d)!r}: {have.name} is there but {missing.name} is not; "
                           "etcd mutual TLS needs both (or remove both for server-only TLS)")
-    if cert.is_file():
+    if has_cert:
         out.update(client_cert=str(cert), client_key=str(key))
     return out
 

@@ -197,7 +197,10 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text: {exc}") from exc
     try:
         if p.suffix == ".toml":
             data = tomllib.loads(text)
@@ -261,11 +264,25 @@ def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(fields) if fields else []
 
 
+def _path_text(loc: tuple[Any, ...]) -> str:
+    """``a.b.0``; a key that is empty or could be misread (``.``, ``:``, blanks, ``<root>``)
+    is quoted."""
+
+    def part(p: Any) -> str:
+        if isinstance(p, int):
+            return str(p)
+        plain = (isinstance(p, str) and p.isprintable() and p and p != "<root>"
+                 and not any(c in p for c in ".: "))
+        return p if plain else repr(p)
+
+    return ".".join(part(p) for p in loc) or "<root>"
+
+
 def _format_errors(model: type[BaseModel], exc: ValidationError, origin: str) -> str:
     lines = [f"invalid {model.__name__} ({origin}):"]
     for err in exc.errors():
         loc = tuple(p for p in err["loc"])
-        path = ".".join(str(p) for p in loc) or "<root>"
+        path = _path_text(loc)
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             known = _field_names(model, loc[:-1])

@@ -50,6 +50,7 @@ from .membership import (
     VersionRecord,
     WatchHandle,
     check_protocol,
+    decode_leader,
     decode_member,
     decode_version,
     encode_record,
@@ -408,8 +409,9 @@ class EtcdCoordinator(Coordinator):
             return won
 
     def leader(self, name: str) -> str | None:
-        raw, _ = self._call("get leader", lambda c: c.get(self.keys.election(name)))
-        return None if raw is None else raw.decode()
+        key = self.keys.election(name)
+        raw, _ = self._call("get leader", lambda c: c.get(key))
+        return None if raw is None else decode_leader(raw, key)
 
     def resign(self, name: str) -> None:
         with self._state_lock:

@@ -52,7 +52,7 @@ import yaml
 from pydantic import Field
 
 from .auth import ETCD_CA, etcd_tls_paths
-from .config import LaminarModel, read_config_file
+from .config import LaminarModel
 from .errors import ConfigError, LaminarError
 from .launcher_etcd import LocalEtcd
 from .processes import ChildProcess
@@ -130,8 +130,7 @@ def _fill(value: Any, subs: dict[str, str]) -> Any:
 def load_job(path: str | os.PathLike[str], overrides: list[str] = ()) -> JobFile:
     from .config import load_config
 
-    data = read_config_file(path)
-    return load_config(JobFile, None, overrides, env={}, base=data)
+    return load_config(JobFile, path, overrides, env={})
 
 
 class LocalLauncher:

@@ -103,6 +103,14 @@ def decode_version(raw: bytes, key: str) -> VersionRecord:
         raise CoordinationError(f"version record at {key!r} is malformed: {exc}") from exc
 
 
+def decode_leader(raw: bytes, key: str) -> str:
+    """An election's owner value (a member id, written by ``campaign``)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as exc:
+        raise CoordinationError(f"election value at {key!r} is not UTF-8 text: {exc}") from exc
+
+
 def check_protocol(job_protocol: int, record: MemberRecord) -> None:
     """Refuse ``record`` if it speaks another protocol than the job."""
     if record.protocol_version != job_protocol:
@@ -175,7 +183,11 @@ class Coordinator(abc.ABC):
 
     @abc.abstractmethod
     def leader(self, name: str) -> str | None:
-        """Current owner value of singleton ``name``, if any."""
+        """Current owner value of singleton ``name``, if any.
+
+        Raises:
+            CoordinationError: the stored value is not a member id (not UTF-8).
+        """
 
     @abc.abstractmethod
     def resign(self, name: str) -> None:
@@ -409,8 +421,9 @@ class InMemoryCoordinator(Coordinator):
         return self.store.get(key) == value.encode()
 
     def leader(self, name: str) -> str | None:
-        raw = self.store.get(self.keys.election(name))
-        return None if raw is None else raw.decode()
+        key = self.keys.election(name)
+        raw = self.store.get(key)
+        return None if raw is None else decode_leader(raw, key)
 
     def resign(self, name: str) -> None:
         key = self.keys.election(name)

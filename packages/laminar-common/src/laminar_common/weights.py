@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import string
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -289,7 +290,8 @@ def validate_manifest(
         max_total_bytes: refuse versions larger than this.
         max_tensors: refuse manifests listing more tensors than this.
         require_checksums: every chunk must carry a checksum (False while a
-            publish is open: checksums then travel with the chunks).
+            publish is open: checksums then travel with the chunks; one that
+            is given must still be valid).
 
     Raises:
         ProtocolError: the first problem found, naming the field.
@@ -311,12 +313,14 @@ def validate_manifest(
         raise ProtocolError(
             f"version {v}: chunk_bytes={manifest.chunk_bytes} is outside 1..{MAX_CHUNK_BYTES}"
         )
-    expected = plan_chunks(manifest.total_bytes, manifest.chunk_bytes)
-    if len(manifest.chunks) != len(expected):
+    # Counted before planning: a claimed size must not make us build its chunk list.
+    n_chunks = -(-manifest.total_bytes // manifest.chunk_bytes)
+    if len(manifest.chunks) != n_chunks:
         raise ProtocolError(
             f"version {v}: {manifest.total_bytes} bytes in chunks of {manifest.chunk_bytes} "
-            f"need {len(expected)} chunks, manifest lists {len(manifest.chunks)}"
+            f"need {n_chunks} chunks, manifest lists {len(manifest.chunks)}"
         )
+    expected = plan_chunks(manifest.total_bytes, manifest.chunk_bytes)
     for got, want in zip(manifest.chunks, expected):
         if (got.index, got.offset, got.nbytes) != (want.index, want.offset, want.nbytes):
             raise ProtocolError(
@@ -324,7 +328,8 @@ def validate_manifest(
                 f"nbytes={want.nbytes}), manifest says (index={got.index}, "
                 f"offset={got.offset}, nbytes={got.nbytes})"
             )
-        if require_checksums and (
+        # A checksum may be left out only where not required; one that is given must be valid.
+        if (require_checksums or got.checksum) and (
             len(got.checksum) != 2 * _DIGEST_BYTES or not _is_hex(got.checksum)
         ):
             raise ProtocolError(f"version {v}: chunk {got.index} has no valid blake2b-128 checksum")
@@ -358,11 +363,7 @@ def validate_manifest(
 
 
 def _is_hex(text: str) -> bool:
-    try:
-        bytes.fromhex(text)
-    except ValueError:
-        return False
-    return True
+    return all(c in string.hexdigits for c in text)
 
 
 def verify_chunk(spec: ChunkSpec, data: Any) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from laminar_common.errors import LaminarError
@@ -106,10 +107,37 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     marker = Path(root) / "LATEST"
     if not marker.is_file():
         return None
-    path = Path(root) / marker.read_text().strip()
+    try:
+        path = Path(root) / marker.read_text(encoding="utf-8").strip()
+    except (OSError, ValueError) as exc:
+        raise LaminarError(f"checkpoint marker {marker} cannot be read: {exc}") from exc
     if not (path / "trainer.json").is_file():
         raise LaminarError(f"checkpoint {path} named by {marker} is incomplete")
     return path
+
+
+def _read_json(file: Path) -> object:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON
+        raise LaminarError(f"checkpoint file {file} cannot be read: {exc}") from exc
+
+
+def _trainer_state(file: Path, data: object) -> TrainerState:
+    """``trainer.json``'s object as a TrainerState, every field of its type."""
+    fields = {"step": int, "version": int, "consumed": list, "seed": int}
+    required = {"step", "version", "consumed"}
+    if not isinstance(data, dict) or not required <= data.keys() <= fields.keys():
+        raise LaminarError(f"checkpoint file {file}: expected an object with step, version, "
+                           f"consumed (and seed), got {str(data)[:200]}")
+    for name, kind in fields.items():
+        value = data.get(name, 0)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise LaminarError(f"checkpoint file {file}: {name} must be {kind.__name__}, "
+                               f"got {value!r:.200}")
+    if not all(isinstance(i, str) for i in data["consumed"]):
+        raise LaminarError(f"checkpoint file {file}: consumed must list trajectory ids (strings)")
+    return TrainerState(**data)
 
 
 def load_checkpoint(path: str | os.PathLike[str],
@@ -117,22 +145,47 @@ def load_checkpoint(path: str | os.PathLike[str],
     """Restore the optimizer (if any) from ``path`` and return the trainer state.
 
     The model is loaded by the caller with ``from_pretrained(path)``.
+
+    Raises:
+        LaminarError: a file of the checkpoint is missing, unreadable or malformed
+            (the message names it), or the optimizer state does not fit ``optimizer``.
     """
     path = Path(path)
-    try:
-        state = TrainerState(**json.loads((path / "trainer.json").read_text()))
-        if optimizer is not None:
-            optimizer.load_state_dict(read_optimizer_state(path))
-    except (OSError, ValueError, TypeError) as exc:
-        raise LaminarError(f"checkpoint {path} cannot be read: {exc}") from exc
+    state = _trainer_state(path / "trainer.json", _read_json(path / "trainer.json"))
+    if optimizer is not None:
+        saved = read_optimizer_state(path)
+        try:
+            optimizer.load_state_dict(saved)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise LaminarError(
+                f"checkpoint {path}: the optimizer state in optimizer.json / "
+                f"optimizer.safetensors does not fit this optimizer: {exc!r}") from exc
     return state
 
 
 def read_optimizer_state(path: str | os.PathLike[str]) -> dict:
-    """The optimizer state dict stored in checkpoint ``path`` (as it was saved)."""
+    """The optimizer state dict stored in checkpoint ``path`` (as it was saved).
+
+    Raises:
+        LaminarError: ``optimizer.json`` or ``optimizer.safetensors`` is missing,
+            unreadable or malformed (the message names the file).
+    """
     path = Path(path)
+    meta_file, tensor_file = path / "optimizer.json", path / "optimizer.safetensors"
+    meta = _read_json(meta_file)
+    if not (isinstance(meta, dict) and isinstance(meta.get("param_groups"), list)
+            and isinstance(meta.get("scalars"), dict)
+            and all(isinstance(v, dict) for v in meta["scalars"].values())
+            and isinstance(meta.get("int_keys", True), bool)):
+        raise LaminarError(f"checkpoint file {meta_file}: expected an object with param_groups "
+                           f"(a list), scalars (parameter -> object) and int_keys (a bool), "
+                           f"got {str(meta)[:200]}")
     try:
-        meta = json.loads((path / "optimizer.json").read_text())
-        return _unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), meta)
-    except (OSError, ValueError, KeyError) as exc:
-        raise LaminarError(f"checkpoint {path}: optimizer state cannot be read: {exc}") from exc
+        tensors = load_file(str(tensor_file))
+    except (OSError, SafetensorError) as exc:
+        raise LaminarError(f"checkpoint file {tensor_file} cannot be read: {exc}") from exc
+    try:
+        return _unflatten_optimizer(tensors, meta)
+    except ValueError as exc:  # a tensor or parameter name that is not "<param>/<state>"
+        raise LaminarError(f"checkpoint {path}: optimizer.json and optimizer.safetensors do not "
+                           f"match: {exc}") from exc

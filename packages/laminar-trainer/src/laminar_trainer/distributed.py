@@ -74,13 +74,27 @@ def encode_groups(groups: list[Group]) -> bytes:
 
 
 def decode_groups(payload: bytes) -> list[Group]:
-    """Inverse of :func:`encode_groups`; a bad payload raises ``LaminarError``."""
+    """Inverse of :func:`encode_groups`; a bad payload raises ``LaminarError``.
+
+    Rank 0 only ever sends complete groups, so a group its trajectories do not
+    fill exactly (missing, extra or repeated samples, another prompt's
+    trajectory) is refused rather than trained on in part.
+    """
     try:
         rows = msgspec.msgpack.decode(payload, type=_GroupsWire)
     except msgspec.DecodeError as exc:
         raise LaminarError(f"STEP payload from rank 0 does not decode: {exc}") from exc
-    return [Group(prompt_id, size, {t.sample_index: t for t in trajs}, weight)
-            for prompt_id, size, weight, trajs in rows]
+    groups = []
+    for prompt_id, size, weight, trajs in rows:
+        members = {t.sample_index: t for t in trajs}
+        if len(members) != size or len(trajs) != size or any(
+                t.prompt_id != prompt_id for t in trajs):
+            raise LaminarError(
+                f"STEP payload from rank 0: group {prompt_id!r} of size {size} carries "
+                f"{len(trajs)} trajectories of {len(members)} distinct samples "
+                f"(prompts {sorted({t.prompt_id for t in trajs})[:3]}); it is not a complete group")
+        groups.append(Group(prompt_id, size, members, weight))
+    return groups
 
 
 def resolve_device(setting: str, local_rank: int = 0) -> torch.device:

@@ -1,0 +1,52 @@
+"""Hostile input to the trainer's config loader: arbitrary files, mappings and ``--set``.
+
+``load_config(TrainerConfig, ...)`` must return a complete, frozen config or raise
+:class:`ConfigError` naming the file, the ``--set`` item or every bad field path;
+no other exception may escape.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from laminar_common.config import load_config
+from laminar_common.errors import ConfigError
+from laminar_common.testing import make_loader_tests
+from laminar_trainer.config import TrainerConfig
+
+globals().update(make_loader_tests(TrainerConfig, max_examples=120))
+
+
+@pytest.fixture(scope="module")
+def cfg_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hostile-config")
+
+
+@pytest.mark.parametrize(("items", "field"), [
+    (["optim.lr=0"], "optim.lr"),
+    (["optim.lr=fast"], "optim.lr"),
+    (["optim.schedule=linear"], "optim.schedule"),
+    (["buffer.policy=lifo"], "buffer.policy"),
+    (["buffer.downweight=2"], "buffer.downweight"),
+    (["loss.clip_low=-1"], "loss.clip_low"),
+    (["loss.tis_cap=0"], "loss.tis_cap"),
+    (["checkpoint.every_steps=0"], "checkpoint.every_steps"),
+    (["tracking.wandb.mode=loud"], "tracking.wandb.mode"),
+    (["simulate.step_s=-1"], "simulate.step_s"),
+    (["device=tpu"], "device"),
+    (["batch_groups=0"], "batch_groups"),
+])
+def test_a_bad_field_names_its_full_path(items, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainerConfig, None, items, env={})
+    assert f"\n  {field}: " in str(info.value)
+
+
+def test_a_bad_field_in_a_file_names_the_file_and_the_path(cfg_dir):
+    path = cfg_dir / "trainer.toml"
+    path.write_text("[optim]\nlr = -1\n[tracking.wandb]\nprojet = 'x'\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainerConfig, path, env={})
+    text = str(info.value)
+    assert str(path) in text and "\n  optim.lr: " in text
+    assert "\n  tracking.wandb.projet: unknown field; did you mean 'project'?" in text
