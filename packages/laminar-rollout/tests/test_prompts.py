@@ -41,6 +41,26 @@ def test_missing_and_empty_files(tmp_path):
         load_prompt_file(tmp_path / "x.csv")
 
 
+def test_parquet_records_rows_and_errors(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["sort 21=", "sort 3="],
+                             "task": ["sort", "sort"], "answer": ["12", "3"]}), good)
+    recs = load_prompt_file(good)
+    assert [(r.prompt_id, r.prompt) for r in recs] == [("a", "sort 21="), ("b", "sort 3=")]
+    assert recs[1].metadata == {"task": "sort", "answer": "3"}
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"id": ["a", None], "prompt": ["x", "y"]}), bad)
+    with pytest.raises(ConfigError, match=r"bad.parquet: row 1: field 'id'"):
+        load_prompt_file(bad)
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(good.read_bytes()[:40])
+    with pytest.raises(ConfigError, match="not a readable parquet file"):
+        load_prompt_file(broken)
+
+
 def test_cursor_epochs_limits_and_resume(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text("".join(f'{{"id": "p{i}", "prompt": "x"}}\n' for i in range(3)))

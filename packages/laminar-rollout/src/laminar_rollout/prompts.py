@@ -77,10 +77,16 @@ def load_prompt_file(path: str | Path) -> list[PromptRecord]:
                 records.append(_record(obj, where))
     elif p.suffix == ".parquet":
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError as exc:
-            raise ConfigError(f"prompt file {str(p)!r}: reading parquet needs pyarrow") from exc
-        for row, obj in enumerate(pq.read_table(p).to_pylist()):
+            raise ConfigError(f"prompt file {str(p)!r}: reading parquet needs pyarrow "
+                              "(pip install 'laminar-rollout[parquet]')") from exc
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except (pa.ArrowException, OSError) as exc:
+            raise ConfigError(f"prompt file {str(p)!r}: not a readable parquet file: {exc}") from exc
+        for row, obj in enumerate(rows):
             records.append(_record(obj, f"{p}: row {row}"))
     else:
         raise ConfigError(f"prompt file {str(p)!r}: use .jsonl or .parquet")
