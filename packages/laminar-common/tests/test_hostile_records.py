@@ -94,13 +94,14 @@ def test_election_owner_from_any_value(raw):
     assert owner.encode() == raw
 
 
-def test_a_corrupt_record_under_a_member_key_is_a_coordination_error():
+def test_a_corrupt_member_record_is_left_out_and_named(caplog):
     store = InMemoryEtcd()
     coord = InMemoryCoordinator(store, "job", ttl_s=5, keepalive=False)
+    coord.register(MemberRecord(member_id="w0", role="worker"))
     key = coord.keys.member("worker", "w1")
     store.put(key, b'{"member_id": "w1", "role": "worker", "capacity": "many"}')
-    with pytest.raises(CoordinationError, match=f"member record at '{key}' is malformed"):
-        coord.members()
+    assert list(coord.members()) == ["w0"]
+    assert f"member record at '{key}' is malformed" in caplog.text
     store.put(coord.keys.weights_latest(), b"\x00\xff")
     with pytest.raises(CoordinationError, match="version record at .* is malformed"):
         coord.latest_version()

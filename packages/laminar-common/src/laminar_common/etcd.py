@@ -52,6 +52,7 @@ from .membership import (
     check_protocol,
     decode_leader,
     decode_member,
+    decode_members,
     decode_version,
     encode_record,
 )
@@ -325,11 +326,8 @@ class EtcdCoordinator(Coordinator):
         return raw is not None and meta.lease_id == self._lease_id
 
     def members(self, role: str | None = None) -> dict[str, MemberRecord]:
-        out = {}
-        for raw, meta in self._call("list members", lambda c: list(c.get_prefix(self.keys.members(role)))):
-            rec = decode_member(raw, meta.key.decode())
-            out[rec.member_id] = rec
-        return out
+        found = self._call("list members", lambda c: list(c.get_prefix(self.keys.members(role))))
+        return decode_members((meta.key.decode(), raw) for raw, meta in found)
 
     def watch_members(self, callback, role=None) -> WatchHandle:
         def on_event(kind: str, key: str, value: bytes | None) -> None:

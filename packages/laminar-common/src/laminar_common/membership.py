@@ -22,10 +22,11 @@ Invariants:
 from __future__ import annotations
 
 import abc
+import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -33,6 +34,8 @@ import msgspec
 from .codec import PROTOCOL_VERSION
 from .errors import CoordinationError, ProtocolError
 from .keys import JobKeys
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "MemberRecord",
@@ -96,6 +99,20 @@ def decode_member(raw: bytes, key: str) -> MemberRecord:
         raise CoordinationError(f"member record at {key!r} is malformed: {exc}") from exc
 
 
+def decode_members(items: Iterable[tuple[str, bytes]]) -> dict[str, MemberRecord]:
+    """``(key, value)`` pairs under the members prefix -> records by member id; a
+    malformed one is skipped with a warning naming its key."""
+    out = {}
+    for key, raw in items:
+        try:
+            rec = decode_member(raw, key)
+        except CoordinationError as exc:
+            log.warning("leaving out %s", exc)
+            continue
+        out[rec.member_id] = rec
+    return out
+
+
 def decode_version(raw: bytes, key: str) -> VersionRecord:
     try:
         return _version_decoder.decode(raw)
@@ -153,7 +170,11 @@ class Coordinator(abc.ABC):
 
     @abc.abstractmethod
     def members(self, role: str | None = None) -> dict[str, MemberRecord]:
-        """Live members (of one role, or all), keyed by member id."""
+        """Live members (of one role, or all), keyed by member id.
+
+        A malformed record is left out and logged (as the watch does): one bad
+        value under the members prefix must not hide every other member.
+        """
 
     @abc.abstractmethod
     def watch_members(
@@ -360,11 +381,7 @@ class InMemoryCoordinator(Coordinator):
         return self.lease is not None and self.store.refresh(self.lease)
 
     def members(self, role: str | None = None) -> dict[str, MemberRecord]:
-        out = {}
-        for key, raw in self.store.get_prefix(self.keys.members(role)).items():
-            rec = decode_member(raw, key)
-            out[rec.member_id] = rec
-        return out
+        return decode_members(self.store.get_prefix(self.keys.members(role)).items())
 
     def watch_members(self, callback, role=None) -> WatchHandle:
         def on_change(key: str, kind: str, value: bytes | None) -> None:
