@@ -51,7 +51,7 @@ def _pids_with(fragment: str) -> list[int]:
     return pids
 
 
-def test_laminar_up_ray_backend_restarts_a_killed_replica(tmp_path):
+def test_laminar_up_ray_backend_restarts_killed_replicas_and_the_trainer_resumes(tmp_path):
     import os
     import signal
 
@@ -61,7 +61,10 @@ def test_laminar_up_ray_backend_restarts_a_killed_replica(tmp_path):
     job = yaml.safe_load((REPO / "examples" / "simulated.yaml").read_text())
     job["job"] = "simray"
     job["run_dir"] = str(tmp_path / "run")
-    job["tiers"]["trainer"]["config"]["total_steps"] = 40
+    trainer = job["tiers"]["trainer"]
+    trainer["config"].update(total_steps=40,
+                             checkpoint={"dir": "{run_dir}/ckpt", "every_steps": 3})
+    trainer["restart_args"] = ["--resume"]
     # One relay per Ray node (one node here), pinned to it; named by member_id.
     job["tiers"]["relay"].update(replicas=-1, id_field="member_id")
     job["tiers"]["relay"]["config"].pop("member_id")
@@ -81,10 +84,26 @@ def test_laminar_up_ray_backend_restarts_a_killed_replica(tmp_path):
         up.wait_for_line(r"trainer: STEP 20 ", 240)
         restarted = [p for p in _pids_with("laminar-worker-0-") if p not in victims]
         assert restarted, "Ray did not start worker-0 again"
+
+        # The trainer (the tier the run waits for) crashes: Ray starts it again with
+        # --resume, it goes on from its last checkpoint, and the run still ends with 0.
+        victims = _pids_with("laminar-trainer-")
+        assert victims, "no trainer process found"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        up.wait_for_line(r"trainer crashed \(-9\); restart 1 with \['--resume'\]", 60)
+        resumed = up.wait_for_line(r"trainer: TRAINER READY \S+ step=(\d+)", 240,
+                                   start=len(up.lines) - 1)
+        assert int(resumed.group(1)) >= 18 and int(resumed.group(1)) % 3 == 0
         up.wait_for_line(r"trainer exited with 0", 240)
         assert up.proc.wait(120) == 0
     finally:
         up.stop(grace_s=60)
+    consumed = [i for line in (tmp_path / "run" / "trainer" / "consumed.jsonl").read_text()
+                .splitlines() for i in json.loads(line)["ids"]]
+    batch = job["tiers"]["trainer"]["config"]["batch_groups"] * \
+        job["tiers"]["manager"]["config"]["group_size"]
+    assert len(consumed) == len(set(consumed)) == 40 * batch
 
 
 def _laminar(*args: str, timeout_s: float = 60):

@@ -82,6 +82,9 @@ class TierSpec(LaminarModel):
     """Processes to start; -1: one per node (Ray backend: per alive Ray node; local: 1)."""
     max_restarts: int = Field(default=-1, ge=-1)
     """Ray backend: times Ray restarts a replica that failed (-1: without limit)."""
+    restart_args: tuple[str, ...] = ()
+    """Ray backend: CLI arguments added when a failed replica is started again, e.g.
+    [--resume] for the trainer (checkpoint.dir) or the manager (state_dir)."""
     config: dict[str, Any] = {}
     """The tier's config (written to a YAML file per replica)."""
     id_field: str | None = None

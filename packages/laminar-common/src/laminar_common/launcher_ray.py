@@ -12,8 +12,9 @@ trainer land on GPU nodes. ``replicas: -1`` starts one replica on every
 alive node, pinned there (node affinity; the usual choice for relays, so
 every rollout has a local one); other relay replicas are spread (``SPREAD``).
 A replica whose process exits with a non-zero code (or whose actor dies) is
-restarted by Ray, up to the tier's ``max_restarts`` (-1: always); the
-``wait_for`` tier ending with 0 ends the run.
+restarted by Ray, up to the tier's ``max_restarts`` (-1: always), with the
+tier's ``restart_args`` added (``--resume`` for a trainer or manager); this
+includes the ``wait_for`` tier, whose exit with 0 ends the run.
 
 etcd: the embedded etcd listens on this machine's loopback, which is right
 for a single-node Ray; a multi-node cluster needs ``etcd.endpoints`` that
@@ -40,12 +41,18 @@ def _actor_class(ray):
     class TierReplica:
         """Runs one tier replica's CLI as a child process and reports on it."""
 
-        def __init__(self, name: str, argv: list[str], config_text: str, log_dir: str) -> None:
+        def __init__(self, name: str, argv: list[str], config_text: str, log_dir: str,
+                     restart_args: list[str]) -> None:
             import sys
+
+            import ray
 
             from laminar_common.processes import ChildProcess
 
             self.name = name
+            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+            if self.restarted:
+                argv = [*argv, *restart_args]
             work = Path(tempfile.mkdtemp(prefix=f"laminar-{name}-"))
             cfg = work / f"{name}.yaml"
             cfg.write_text(config_text)
@@ -118,7 +125,7 @@ class RayLauncher(LocalLauncher):
                 elif tier == "relay":
                     options["scheduling_strategy"] = "SPREAD"
                 actor = replica_cls.options(**options).remote(
-                    name, argv, config_text, str(self.run_dir / "logs"))
+                    name, argv, config_text, str(self.run_dir / "logs"), list(spec.restart_args))
                 self.actors.append((name, actor))
                 started[tier].append(actor)
                 self._say(f"started {name} as a Ray actor ({options['num_cpus']} CPU, "
@@ -160,8 +167,11 @@ class RayLauncher(LocalLauncher):
             self.start_etcd()
             started = self.start_tiers()
             target = started[self.job.wait_for][0]
+            spec = self.job.tiers[self.job.wait_for]
             others = [a for _, a in self.actors if a is not target]
             deadline = time.monotonic() + self.job.timeout_s
+            restarts = 0
+            unreachable_since: float | None = None
             while True:
                 if self._stop.wait(0.5):
                     self._say("interrupted: shutting down")
@@ -169,10 +179,26 @@ class RayLauncher(LocalLauncher):
                 if time.monotonic() > deadline:
                     self._say(f"timeout after {self.job.timeout_s:.0f}s")
                     return 124
-                alive, code, lines, _ = self.ray.get(target.poll.remote())
+                try:
+                    alive, code, lines, _ = self.ray.get(target.poll.remote())
+                    unreachable_since = None
+                except self.ray.exceptions.RayActorError as exc:
+                    # Ray is starting it again (it exited after its child crashed).
+                    unreachable_since = unreachable_since or time.monotonic()
+                    if time.monotonic() - unreachable_since > 300:
+                        raise LaminarError(f"{self.job.wait_for} did not come back within "
+                                           f"300s of a restart: {exc}") from exc
+                    continue
                 for line in lines:
-                    if line.startswith(("STEP", "EVAL", "TRAINER DONE")):
+                    if line.startswith(("STEP", "EVAL", "TRAINER", "RESTARTED")):
                         self._say(f"{self.job.wait_for}: {line[:300]}")
+                if not alive and code not in (None, 0) and \
+                        (spec.max_restarts < 0 or restarts < spec.max_restarts):
+                    restarts += 1
+                    self._say(f"{self.job.wait_for} crashed ({code}); restart {restarts} "
+                              f"with {list(spec.restart_args)}")
+                    target.fail_if_crashed.remote()
+                    continue
                 if not alive:
                     self._say(f"{self.job.wait_for} exited with {code}")
                     return code or 0
