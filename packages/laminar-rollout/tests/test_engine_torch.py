@@ -361,12 +361,15 @@ def test_kv_that_does_not_fit_is_refused(model, model64):
     for _ in range(3):
         source.step()
     moved = source.export_with_kv(["a"])[0]
-    other = TorchEngine(model64, eos_token_ids=())  # different head shapes
-    other.add_request(GenerationRequest("warm", [1], SamplingParams(max_tokens=2)))
-    other.run_until_done([])
+    fresh = TorchEngine(model64, eos_token_ids=())  # same shapes, float64
+    with pytest.raises(EngineError, match=r"kv keys\[0\] is .*float32; this engine caches "
+                                          r"\[2, 5, 16\] torch.float64"):
+        fresh.add_request(moved)
+    assert not fresh.has_unfinished()
+    fresh.add_request(GenerationRequest("warm", [1], SamplingParams(max_tokens=2)))
+    fresh.run_until_done([])  # with its slot stores allocated: the same refusal
     with pytest.raises(EngineError, match=r"kv keys\[0\] is .*this engine caches"):
-        other.add_request(moved)
-    assert not other.has_unfinished()
+        fresh.add_request(moved)
     with pytest.raises(ValueError, match="must cache prompt \\+ resumed tokens but the last"):
         GenerationRequest("b", [1, 2], SamplingParams(), [7], [-0.1], 0, kv=moved.kv)
 

@@ -78,6 +78,14 @@ def _layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
+def _kv_geometry(config: Any, dtype: torch.dtype) -> tuple[int, int, int, torch.dtype]:
+    """(layers, KV heads, head size, dtype) of the model's attention cache."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim, dtype
+
+
 def _num_layers(cache: Any) -> int:
     return len(cache.layers) if hasattr(cache, "layers") else len(cache.key_cache)
 
@@ -176,7 +184,7 @@ class TorchEngine(GenerationEngine):
         self._capacity = 0
         self._lens = [0] * max_batch
         self._pending = [0] * max_batch
-        self._num_layers = int(getattr(config, "num_hidden_layers", 0)) or None
+        self._kv_shape = _kv_geometry(config, next(model.parameters()).dtype)
         self.prefilled_tokens = 0
 
     @staticmethod
@@ -258,26 +266,21 @@ class TorchEngine(GenerationEngine):
     supports_kv_transfer = True
 
     def _check_kv(self, request: GenerationRequest) -> None:
+        """A cache fits when it has this model's layers, KV heads, head size and dtype."""
         kv = request.kv
         where = f"request {request.request_id!r}: kv"
         if kv.engine != "torch":
             raise EngineError(f"{where} was written by a {kv.engine!r} engine, not 'torch'")
-        layers = len(self._keys) or self._num_layers
-        if len(kv.keys) != len(kv.values) or (layers and len(kv.keys) != layers):
+        layers, heads, head_dim, dtype = self._kv_shape
+        if len(kv.keys) != layers or len(kv.values) != layers:
             raise EngineError(f"{where} has {len(kv.keys)}/{len(kv.values)} layers of keys/values,"
                               f" the model has {layers}")
         for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
-            for name, t, store in (("keys", k, self._keys), ("values", v, self._values)):
-                if t.dim() != 3 or t.shape[1] != kv.num_tokens:
-                    raise EngineError(f"{where} {name}[{layer}] has shape {tuple(t.shape)}, "
-                                      f"expected [kv_heads, {kv.num_tokens}, head_dim]")
-                if store and (t.shape[0] != store[layer].shape[1] or
-                              t.shape[2] != store[layer].shape[3] or
-                              t.dtype != store[layer].dtype):
-                    want = store[layer]
+            for name, t in (("keys", k), ("values", v)):
+                if tuple(t.shape) != (heads, kv.num_tokens, head_dim) or t.dtype != dtype:
                     raise EngineError(
                         f"{where} {name}[{layer}] is {tuple(t.shape)} {t.dtype}; this engine "
-                        f"caches [{want.shape[1]}, n, {want.shape[3]}] {want.dtype}")
+                        f"caches [{heads}, {kv.num_tokens}, {head_dim}] {dtype}")
 
     def export_with_kv(self, request_ids: Iterable[str] | None = None
                        ) -> list[GenerationRequest]:
