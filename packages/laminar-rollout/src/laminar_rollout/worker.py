@@ -209,6 +209,10 @@ class WorkerService(Service):
         self._report(force=True)
         while not self.stopping.is_set():
             self._drain_events()
+            if self.manager is None:  # between managers (see _switch_manager)
+                self.stopping.wait(0.5)
+                self._reconnect_manager()
+                continue
             busy = self.engine.has_unfinished()
             msg = self.manager.recv(timeout_s=0 if busy or self._fresh else 0.02)
             while msg is not None:
@@ -275,7 +279,15 @@ class WorkerService(Service):
         if self.manager is not None:
             self.manager.close()
             self.manager = None
-        self._connect_manager()
+        self._reconnect_manager()
+
+    def _reconnect_manager(self) -> None:
+        """Say hello to the registered manager; on failure the loop tries again later."""
+        try:
+            self._connect_manager(timeout_s=2.0)
+        except (LaminarError, TransportError) as exc:
+            log.warning("manager not reachable yet (retrying): %s", exc)
+            return
         self._report(force=True)
 
     def _set_trainer(self, address: str) -> None:

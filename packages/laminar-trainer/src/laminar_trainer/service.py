@@ -422,12 +422,12 @@ class TrainerService(Service):
 
     def _send_acks(self, ids: list[str]) -> bool:
         """Send durable acks to the manager; False (logged) if they must wait."""
-        if self._manager_changed.is_set() and self._acker is not None:
+        if self._manager_changed.is_set():
             # A restarted manager: acks go to its new address (those sent to the
             # old one are lost; the copies it dispatches again are acked again).
-            self._acker.close(linger_s=0)
-            self._acker = None
-        self._manager_changed.clear()
+            # Cleared before the lookup, so a change seen meanwhile is not lost.
+            self._manager_changed.clear()
+            self._drop_acker()
         if self._acker is None:
             managers = self.coordinator.members("manager")
             if not managers:
@@ -441,8 +441,14 @@ class TrainerService(Service):
                                  trainer_version=self.version))
             return True
         except TransportError as exc:
-            log.warning("acks to the manager failed (will retry): %s", exc)
+            log.warning("acks to the manager failed (will retry, looking it up again): %s", exc)
+            self._drop_acker()
             return False
+
+    def _drop_acker(self) -> None:
+        if self._acker is not None:
+            self._acker.close(linger_s=0)
+            self._acker = None
 
     def _evaluate(self) -> float:
         from laminar_common.tasks import read_jsonl
