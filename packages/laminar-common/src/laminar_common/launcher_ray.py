@@ -50,8 +50,7 @@ def _actor_class(ray):
             from laminar_common.processes import ChildProcess
 
             self.name = name
-            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
-            if self.restarted:
+            if ray.get_runtime_context().was_current_actor_reconstructed:
                 argv = [*argv, *restart_args]
             work = Path(tempfile.mkdtemp(prefix=f"laminar-{name}-"))
             cfg = work / f"{name}.yaml"
@@ -190,7 +189,7 @@ class RayLauncher(LocalLauncher):
                                            f"300s of a restart: {exc}") from exc
                     continue
                 for line in lines:
-                    if line.startswith(("STEP", "EVAL", "TRAINER", "RESTARTED")):
+                    if line.startswith(("STEP", "EVAL", "TRAINER")):
                         self._say(f"{self.job.wait_for}: {line[:300]}")
                 if not alive and code not in (None, 0) and \
                         (spec.max_restarts < 0 or restarts < spec.max_restarts):

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import queue
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -68,8 +67,10 @@ class ManagerStats:
     repack_migrated: int = 0
     repack_seconds: float = 0.0
     """Time spent planning repacks and sending the export commands."""
-    migration_seconds: list[float] = field(default_factory=list)
-    """Per migrated trajectory: export command sent -> dispatched to its destination."""
+    migrations_placed: int = 0
+    migration_seconds: float = 0.0
+    """Summed over migrated trajectories: export command sent -> dispatched to its
+    destination (``migrations_placed`` of them)."""
     pulls_commanded: int = 0
     recovery_seconds: list[float] = field(default_factory=list)
     """Per lost worker: last heard from -> every trajectory it held dispatched again."""
@@ -246,7 +247,8 @@ class ManagerService(Service):
                 if migration is not None:
                     dest, t_export = migration
                     if self._place(msg.trajectory_id, dest):
-                        self.stats.migration_seconds.append(time.monotonic() - t_export)
+                        self.stats.migrations_placed += 1
+                        self.stats.migration_seconds += time.monotonic() - t_export
         elif isinstance(msg, Command) and msg.action == "rejected":
             for tid in msg.trajectory_ids:
                 if self.ledger.mark_rejected(tid, peer, msg.reason):
@@ -454,7 +456,7 @@ class ManagerService(Service):
                    st.repack_seconds),
             Metric("migration_seconds_total", "counter",
                    "export command -> re-dispatch, summed over migrated trajectories",
-                   sum(st.migration_seconds)),
+                   st.migration_seconds),
             Metric("recoveries_total", "counter", "lost workers whose work runs again",
                    len(st.recovery_seconds)),
             Metric("recovery_seconds_last", "gauge",
@@ -481,8 +483,9 @@ class ManagerService(Service):
             "repacks": self.stats.repacks,
             "repack_migrated": self.stats.repack_migrated,
             "repack_seconds": round(self.stats.repack_seconds, 4),
-            "migration_seconds_mean": round(statistics.fmean(self.stats.migration_seconds), 4)
-            if self.stats.migration_seconds else None,
+            "migration_seconds_mean": round(
+                self.stats.migration_seconds / self.stats.migrations_placed, 4)
+            if self.stats.migrations_placed else None,
             "recovery_seconds": [round(x, 3) for x in self.stats.recovery_seconds],
             "resumed": self.ledger.counters.resumed,
             "restarted": self.ledger.counters.restarted,
@@ -526,7 +529,7 @@ class ManagerService(Service):
         self._last_state_write = now
         os.makedirs(self.config.state_dir, exist_ok=True)
         ledger = self.ledger.snapshot()
-        data = {"summary": self.summary(), "ledger": ledger, "states": ledger["states"]}
+        data = {"summary": self.summary(), "ledger": ledger}
         path = self._state_path()
         tmp = path + ".tmp"
         with open(tmp, "w") as fh:
