@@ -1,7 +1,8 @@
 """Run by test_distributed.py under ``torchrun --nproc-per-node 2`` (gloo, CPU).
 
-Rank 0 drives the followers exactly as ``TrainerService`` does (STEP, GATHER,
-CHECKPOINT, EVAL, STOP); ranks > 0 run ``run_follower``. Rank 0 writes what
+Rank 0 drives the followers with the same ``DistContext`` calls as
+``TrainerService`` (send_step, gather_for_publish, gather_for_checkpoint,
+send_eval, then STOP); ranks > 0 run ``run_follower``. Rank 0 writes what
 the test compares: the gathered weights after the steps, the losses, the eval
 accuracy and a checkpoint.
 """
@@ -18,7 +19,7 @@ from safetensors.torch import save_file
 
 from laminar_trainer.checkpoint import TrainerState, save_checkpoint
 from laminar_trainer.config import TrainerConfig
-from laminar_trainer.distributed import Command, decode_groups, encode_groups, init_distributed
+from laminar_trainer.distributed import Command, decode_groups, init_distributed
 from laminar_trainer.step import train_step
 from laminar_trainer.training import build_training, evaluate_records, run_follower
 
@@ -36,21 +37,17 @@ def main(model_dir: str, groups_file: str, out: str) -> int:
         steps = [decode_groups(p) for p in msgspec.msgpack.decode(Path(groups_file).read_bytes())]
         losses = []
         for groups in steps:
-            ctx.send_command(Command.STEP, encode_groups(groups))
             result = train_step(training.model, training.optimizer, training.scheduler,
-                                groups[::ctx.world_size], cfg, dist=ctx)
+                                ctx.send_step(groups), cfg, dist=ctx)
             losses.append(result.loss)
-        ctx.send_command(Command.GATHER)
-        full = ctx.full_model_state(training.model)
+        full = ctx.gather_for_publish(training.model)
         save_file({k: v.contiguous() for k, v in full.items()}, str(Path(out, "gathered.safetensors")))
-        ctx.send_command(Command.CHECKPOINT)
-        model_state = ctx.full_model_state(training.model)
-        optim_state = ctx.full_optimizer_state(training.model, training.optimizer)
+        model_state, optim_state = ctx.gather_for_checkpoint(training.model, training.optimizer)
         save_checkpoint(Path(out, "ckpt"), training.model, training.tokenizer, training.optimizer,
                         TrainerState(len(steps), len(steps), []), model_state=model_state,
                         optimizer_state=optim_state)
         records = json.loads(Path(out, "eval.json").read_text())
-        ctx.send_command(Command.EVAL, msgspec.msgpack.encode(records), 8)
+        ctx.send_eval(records, 8)
         accuracy = evaluate_records(training, records, 8)
         ctx.send_command(Command.STOP)
         Path(out, "result.json").write_text(json.dumps({"losses": losses, "accuracy": accuracy}))

@@ -154,6 +154,31 @@ class DistContext:
             payload = data.numpy().tobytes()
         return command, payload, arg
 
+    # -- rank 0's side of each command (the followers' side is run_follower) --------
+
+    def send_step(self, groups: list[Group]) -> list[Group]:
+        """Rank 0: send a step's groups to every rank; returns rank 0's own shard."""
+        self.send_command(Command.STEP, encode_groups(groups))
+        return self.shard_of(groups)
+
+    def shard_of(self, groups: list[Group]) -> list[Group]:
+        """This rank's share of a step's groups."""
+        return groups[self.rank::self.world_size]
+
+    def gather_for_publish(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Rank 0: the full weights (CPU) for a publish; the followers join the gather."""
+        self.send_command(Command.GATHER)
+        return self.full_model_state(model)
+
+    def gather_for_checkpoint(self, model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+        """Rank 0: full model and optimizer state (CPU) for a checkpoint."""
+        self.send_command(Command.CHECKPOINT)
+        return self.full_model_state(model), self.full_optimizer_state(model, optimizer)
+
+    def send_eval(self, records: list[dict], max_new_tokens: int) -> None:
+        """Rank 0: have every rank decode the held-out records with it."""
+        self.send_command(Command.EVAL, msgspec.msgpack.encode(records), max_new_tokens)
+
     def broadcast_int(self, value: int) -> int:
         """Rank 0's ``value`` on every rank."""
         import torch.distributed as dist

@@ -45,14 +45,15 @@ def snapshot_model(model: torch.nn.Module, version: int, step: int) -> Snapshot:
 
 
 def snapshot_state(state: dict[str, torch.Tensor], version: int, step: int,
-                   gathered_s: float = 0.0) -> Snapshot:
+                   gathered_s: float = 0.0, copy: bool = True) -> Snapshot:
     """A snapshot of a state dict (host copies); ``gathered_s`` counts into its time
-    (an FSDP trainer gathers the full state first)."""
+    (an FSDP trainer gathers the full state first). ``copy=False`` takes CPU tensors
+    as they are: only for a state nothing else holds or changes (a fresh gather)."""
     t0 = time.perf_counter()
     tensors = []
     nbytes = 0
     for name, param in state.items():
-        host = param.detach().to("cpu", copy=True).contiguous().reshape(-1)
+        host = param.detach().to("cpu", copy=copy).contiguous().reshape(-1)
         view = memoryview(host.view(torch.uint8).numpy()) if host.numel() else memoryview(b"")
         tensors.append((name, torch_dtype_name(param.dtype), tuple(param.shape), view))
         nbytes += view.nbytes

@@ -34,7 +34,6 @@ import threading
 import time
 from pathlib import Path
 
-import msgspec
 import torch
 import yaml
 
@@ -50,7 +49,7 @@ from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
 from .buffer import ExperienceBuffer, Group
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
-from .distributed import Command, DistContext, encode_groups
+from .distributed import Command, DistContext
 from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
 from .step import StepResult, train_step
 from .tracking import MultiTracker, make_trackers
@@ -207,7 +206,10 @@ class TrainerService(Service):
             log.warning("--resume: no checkpoint in %s; starting fresh", cfg.checkpoint.dir)
         state = None
         if cfg.simulate is None:
-            self.training = build_training(cfg, self.dist)
+            # One process reads a checkpoint's weights once, at build; ranks get them
+            # sharded from rank 0 in restore_training.
+            weights = ckpt if self.dist is None else None
+            self.training = build_training(cfg, self.dist, weights)
             t = self.training
             self.model, self.tokenizer, self.ref_model = t.model, t.tokenizer, t.ref_model
             self.optimizer, self.scheduler = t.optimizer, t.scheduler
@@ -237,9 +239,9 @@ class TrainerService(Service):
     def _snapshot(self) -> Snapshot:
         if self.model is not None and self.dist is not None:
             t0 = time.perf_counter()
-            self.dist.send_command(Command.GATHER)
-            full = self.dist.full_model_state(self.model)
-            return snapshot_state(full, self.version, self.step, time.perf_counter() - t0)
+            full = self.dist.gather_for_publish(self.model)  # fresh CPU copies already
+            return snapshot_state(full, self.version, self.step, time.perf_counter() - t0,
+                                  copy=False)
         if self.model is not None:
             return snapshot_model(self.model, self.version, self.step)
         t0 = time.perf_counter()
@@ -300,12 +302,11 @@ class TrainerService(Service):
         consume_version = self.version
         if self._t_first_step is None:
             self._t_first_step = t0 - waited
+        trajs = [t for g in groups for t in g.trajectories()]
         if self.model is not None and self.dist is not None:
-            self.dist.send_command(Command.STEP, encode_groups(groups))
             result = train_step(self.model, self.optimizer, self.scheduler,
-                                groups[::self.dist.world_size], cfg, ref_model=self.ref_model,
+                                self.dist.send_step(groups), cfg, ref_model=self.ref_model,
                                 dist=self.dist)
-            trajs = [t for g in groups for t in g.trajectories()]
             result.reward_mean = statistics.fmean(t.reward for t in trajs)
             result.tokens = sum(len(t.response_token_ids) for t in trajs)
         elif self.model is not None:
@@ -321,7 +322,6 @@ class TrainerService(Service):
         if self.step % cfg.publish_every == 0 or self.step == cfg.total_steps:
             self.version += 1
             stall = self._publish()
-        trajs = [t for g in groups for t in g.trajectories()]
         ids = [t.trajectory_id for t in trajs]
         self._tokens_consumed += result.tokens
         self._log_consumed(ids)
@@ -381,9 +381,8 @@ class TrainerService(Service):
         state = TrainerState(self.step, self.version, sorted(self.buffer.consumed), self.config.seed)
         full: dict[str, dict | None] = {"model_state": None, "optimizer_state": None}
         if self.model is not None and self.dist is not None:
-            self.dist.send_command(Command.CHECKPOINT)
-            full["model_state"] = self.dist.full_model_state(self.model)
-            full["optimizer_state"] = self.dist.full_optimizer_state(self.model, self.optimizer)
+            full["model_state"], full["optimizer_state"] = self.dist.gather_for_checkpoint(
+                self.model, self.optimizer)
         save_checkpoint(self.config.checkpoint.dir, self.model, self.tokenizer, self.optimizer,
                         state, keep=self.config.checkpoint.keep, **full)
         log.info("checkpoint at step %d in %.2fs", self.step, time.monotonic() - t0)
@@ -456,7 +455,7 @@ class TrainerService(Service):
         records = read_jsonl(self.config.eval.prompts)[: self.config.eval.limit]
         budget = self.config.eval.max_new_tokens
         if self.dist is not None:
-            self.dist.send_command(Command.EVAL, msgspec.msgpack.encode(records), budget)
+            self.dist.send_eval(records, budget)
         return evaluate_records(self.training, records, budget)
 
     def _finish(self) -> None:

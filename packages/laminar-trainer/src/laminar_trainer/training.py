@@ -44,14 +44,22 @@ class Training:
     scheduler: Any
     ref_model: Any
     device: torch.device
+    weights_from: Path
+    """The directory the model's weights were loaded from."""
 
 
-def build_training(cfg: TrainerConfig, ctx: DistContext | None) -> Training:
-    """Load ``cfg.model_dir`` on this rank's device (sharded with FSDP2 under torchrun)."""
+def build_training(cfg: TrainerConfig, ctx: DistContext | None,
+                   weights: Path | None = None) -> Training:
+    """Load ``cfg.model_dir`` on this rank's device (sharded with FSDP2 under torchrun).
+
+    ``weights``: take the model's weights from this directory instead (a
+    checkpoint about to be restored in one process, so it is read once).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = ctx.device if ctx is not None else resolve_device(cfg.device)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32).to(device)
+    source = Path(weights if weights is not None else cfg.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).to(device)
     model.train()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
     ref_model = None
@@ -63,7 +71,7 @@ def build_training(cfg: TrainerConfig, ctx: DistContext | None) -> Training:
         if ref_model is not None:
             ref_model = ctx.shard(ref_model)
     optimizer, scheduler = make_optimizer(model, cfg.optim, cfg.total_steps)
-    return Training(model, tokenizer, optimizer, scheduler, ref_model, device)
+    return Training(model, tokenizer, optimizer, scheduler, ref_model, device, source)
 
 
 def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | None
@@ -76,10 +84,11 @@ def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | N
     if ctx is None:
         if ckpt is None:
             return None
-        from transformers import AutoModelForCausalLM
+        if training.weights_from != Path(ckpt):
+            from transformers import AutoModelForCausalLM
 
-        saved = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
-        training.model.load_state_dict(saved.state_dict())
+            saved = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+            training.model.load_state_dict(saved.state_dict())
         state = load_checkpoint(ckpt, training.optimizer)
         _advance(training, state.step)
         return state
@@ -135,9 +144,8 @@ def run_follower(cfg: TrainerConfig, ctx: DistContext) -> int:
     while True:
         command, payload, arg = ctx.recv_command()
         if command == Command.STEP:
-            groups = decode_groups(payload)
             train_step(training.model, training.optimizer, training.scheduler,
-                       groups[ctx.rank::ctx.world_size], cfg, ref_model=training.ref_model,
+                       ctx.shard_of(decode_groups(payload)), cfg, ref_model=training.ref_model,
                        dist=ctx)
             steps += 1
         elif command == Command.GATHER:
