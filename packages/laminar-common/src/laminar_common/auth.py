@@ -32,9 +32,10 @@ import datetime
 import ipaddress
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -174,6 +175,21 @@ def _read(p: Path) -> bytes:
         return p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"auth: cannot read {p}: {exc}") from exc
+
+
+ETCD_TLS_FIELDS = ("ca_cert", "client_cert", "client_key")
+
+
+def etcd_tls_for(auth_dir: str | Path | None, etcd: Mapping[str, Any]) -> dict[str, str]:
+    """The etcd TLS files a member takes from ``auth.dir`` (one rule for every caller).
+
+    Explicit ``etcd`` files win, all three together: when ``etcd`` sets any of
+    ``ca_cert`` / ``client_cert`` / ``client_key``, or there is no ``auth_dir``,
+    nothing is taken (``{}``); otherwise :func:`etcd_tls_paths` of the dir.
+    """
+    if auth_dir is None or any(etcd.get(k) is not None for k in ETCD_TLS_FIELDS):
+        return {}
+    return etcd_tls_paths(auth_dir)
 
 
 def etcd_tls_paths(path: str | Path) -> dict[str, str]:

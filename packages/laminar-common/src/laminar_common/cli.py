@@ -198,13 +198,11 @@ def _cmd_prompts(args) -> int:
 def _cmd_status(args) -> int:
     import json
 
-    from .auth import etcd_tls_paths
+    from .auth import etcd_tls_for
     from .etcd import EtcdCoordinator
 
     tls = {"ca_cert": args.etcd_ca, "client_cert": args.etcd_cert, "client_key": args.etcd_key}
-    # The tiers' rule: explicit files win over the dir's, all three together.
-    if args.auth_dir and not any(tls.values()):
-        tls.update(etcd_tls_paths(args.auth_dir))
+    tls.update(etcd_tls_for(args.auth_dir, tls))  # the tiers' rule
     coord = EtcdCoordinator([args.etcd], args.job, connect_timeout_s=5, **tls)
     try:
         latest = coord.latest_version()

@@ -70,13 +70,12 @@ class LaminarModel(BaseModel):
         etcd = data.get("etcd", {})
         if isinstance(etcd, EtcdConfig):
             etcd = etcd.model_dump()
-        if not isinstance(etcd, dict) or any(
-                etcd.get(k) is not None for k in ("ca_cert", "client_cert", "client_key")):
+        if not isinstance(etcd, dict):
             return data
-        from .auth import etcd_tls_paths
+        from .auth import etcd_tls_for
 
         try:
-            tls = etcd_tls_paths(auth_dir)
+            tls = etcd_tls_for(auth_dir, etcd)
         except ConfigError as exc:
             raise ValueError(str(exc)) from exc
         if not tls:

@@ -51,7 +51,7 @@ from typing import Any
 import yaml
 from pydantic import Field
 
-from .auth import ETCD_CA, etcd_tls_paths
+from .auth import ETCD_CA, ETCD_TLS_FIELDS, etcd_tls_for
 from .config import LaminarModel
 from .errors import ConfigError, LaminarError
 from .launcher_etcd import LocalEtcd
@@ -348,11 +348,12 @@ class LocalLauncher:
 def _etcd_tls_of(tier: str, config: dict[str, Any]) -> tuple[dict[str, str], str]:
     """The etcd TLS files a tier's config takes from its ``auth.dir``, or why none.
 
-    The same rule as ``LaminarModel._etcd_tls_from_auth_dir``, applied to the
-    job file's dict: the launcher imports no tier config class.
+    The tiers' rule (:func:`~laminar_common.auth.etcd_tls_for`) applied to the
+    job file's dict, with the reason when none: the launcher imports no tier
+    config class.
 
     Returns:
-        ``(paths, "")`` with :func:`~laminar_common.auth.etcd_tls_paths`'s
+        ``(paths, "")`` with :func:`~laminar_common.auth.etcd_tls_for`'s
         fields, or ``({}, reason)``.
     """
     auth = config.get("auth")
@@ -360,17 +361,17 @@ def _etcd_tls_of(tier: str, config: dict[str, Any]) -> tuple[dict[str, str], str
     if not isinstance(auth_dir, str):
         return {}, "no auth.dir"
     etcd = config.get("etcd")
-    own = [k for k in ("ca_cert", "client_cert", "client_key")
-           if isinstance(etcd, dict) and etcd.get(k) is not None]
-    if own:
-        return {}, f"sets etcd.{own[0]}, which wins over auth.dir"
+    etcd = etcd if isinstance(etcd, dict) else {}
     try:
-        paths = etcd_tls_paths(auth_dir)
+        paths = etcd_tls_for(auth_dir, etcd)
     except ConfigError as exc:
         raise ConfigError(f"tiers.{tier}.config.auth.dir: {exc}") from exc
-    if not paths:
-        return {}, f"auth.dir {auth_dir!r} has no {ETCD_CA}"
-    return paths, ""
+    if paths:
+        return paths, ""
+    own = [k for k in ETCD_TLS_FIELDS if etcd.get(k) is not None]
+    if own:
+        return {}, f"sets etcd.{own[0]}, which wins over auth.dir"
+    return {}, f"auth.dir {auth_dir!r} has no {ETCD_CA}"
 
 
 def _resolve(argv: list[str]) -> list[str]:
