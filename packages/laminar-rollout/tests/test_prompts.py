@@ -90,3 +90,16 @@ def test_reward_builtins_and_errors():
     for bad in ("nocolon", "no.such.module:f", "laminar_rollout.rewards:missing"):
         with pytest.raises(ConfigError):
             load_reward_fn(bad)
+
+
+def test_cursor_lookup_finds_records_by_their_dispatched_id(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": "a", "prompt": "x"}\n{"id": "b@e9", "prompt": "y"}\n')
+    cursor = PromptCursor(load_prompt_file(p), epochs=2)
+    dispatched = [cursor.next().prompt_id for _ in range(4)]
+    assert dispatched == ["a", "b@e9", "a@e1", "b@e9@e1"]
+    for pid in dispatched:
+        rec = cursor.lookup(pid)
+        assert rec is not None and rec.prompt_id == pid
+    assert cursor.lookup("b@e9").prompt == "y" and cursor.lookup("a@e1").prompt == "x"
+    assert cursor.lookup("c") is None and cursor.lookup("c@e1") is None

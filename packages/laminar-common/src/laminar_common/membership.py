@@ -62,6 +62,12 @@ class MemberRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     started_at: float = msgspec.field(default_factory=time.time)
     extra: dict[str, str] = {}
 
+    @property
+    def incarnation(self) -> tuple[str, float]:
+        """Which process this is: a restarted member has a new one, a re-registration
+        of the same process (after an etcd restart) keeps it."""
+        return self.member_id, self.started_at
+
 
 class VersionRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The latest complete weight version (``weights/latest``)."""

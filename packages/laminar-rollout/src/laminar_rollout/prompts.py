@@ -100,6 +100,19 @@ def load_prompt_file(path: str | Path) -> list[PromptRecord]:
     return records
 
 
+def _epoch_id(prompt_id: str, epoch: int) -> str:
+    """The id a record is dispatched under in a later epoch."""
+    return f"{prompt_id}@e{epoch}"
+
+
+def _split_epoch_id(dispatched: str) -> tuple[str, int]:
+    """Inverse of :func:`_epoch_id`: ``(record id, epoch)``; epoch 0 for a plain id."""
+    base, sep, epoch = dispatched.rpartition("@e")
+    if sep and epoch.isdigit() and int(epoch) > 0:
+        return base, int(epoch)
+    return dispatched, 0
+
+
 class PromptCursor:
     """Walks the records ``epochs`` times; ``(epoch, position)`` is the resumable state.
 
@@ -134,7 +147,7 @@ class PromptCursor:
             self.epoch, self.position = self.epoch + 1, 0
         if epoch == 0:
             return rec
-        return PromptRecord(f"{rec.prompt_id}@e{epoch}", rec.prompt, rec.metadata)
+        return PromptRecord(_epoch_id(rec.prompt_id, epoch), rec.prompt, rec.metadata)
 
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -145,8 +158,8 @@ class PromptCursor:
             self._by_id = {r.prompt_id: r for r in self.records}
         if prompt_id in self._by_id:
             return self._by_id[prompt_id]
-        base, sep, epoch = prompt_id.rpartition("@e")
-        if sep and epoch.isdigit() and base in self._by_id:
+        base, epoch = _split_epoch_id(prompt_id)
+        if epoch and base in self._by_id:
             rec = self._by_id[base]
             return PromptRecord(prompt_id, rec.prompt, rec.metadata)
         return None

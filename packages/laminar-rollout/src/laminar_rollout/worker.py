@@ -146,7 +146,7 @@ class WorkerService(Service):
                     client.close()
                     raise
                 self.manager = client
-                self._manager_key = (rec.member_id, rec.started_at)
+                self._manager_key = rec.incarnation
                 log.info("connected to manager %s at %s", rec.member_id, rec.address)
                 print(f"WORKER READY {self.worker_id} v{self.engine.weight_version}", flush=True)
                 return
@@ -258,7 +258,7 @@ class WorkerService(Service):
                 assert isinstance(payload, MembershipEvent)
                 rec = payload.record
                 if payload.kind == "put" and rec is not None and \
-                        (rec.member_id, rec.started_at) != self._manager_key:
+                        rec.incarnation != self._manager_key:
                     self._switch_manager()
 
     def _switch_manager(self) -> None:

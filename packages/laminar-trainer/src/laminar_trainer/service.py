@@ -416,7 +416,7 @@ class TrainerService(Service):
     def _on_manager(self, event: MembershipEvent) -> None:
         rec = event.record
         if event.kind == "put" and rec is not None and \
-                (rec.member_id, rec.started_at) != self._acker_key:
+                rec.incarnation != self._acker_key:
             self._manager_changed.set()
 
     def _send_acks(self, ids: list[str]) -> bool:
@@ -434,7 +434,7 @@ class TrainerService(Service):
                 return False
             rec = sorted(managers.values(), key=lambda r: r.member_id)[0]
             self._acker = ZmqPushSender(rec.extra["ack"], send_timeout_s=10, auth=self._curve)
-            self._acker_key = (rec.member_id, rec.started_at)
+            self._acker_key = rec.incarnation
         try:
             self._acker.send(Ack(trajectory_ids=tuple(ids), trainer_step=self.step,
                                  trainer_version=self.version))
