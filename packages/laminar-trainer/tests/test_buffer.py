@@ -1,7 +1,7 @@
 import pytest
 
 from laminar_common.codec import Trajectory
-from laminar_trainer.buffer import ExperienceBuffer
+from laminar_trainer.buffer import Added, ExperienceBuffer
 
 
 def traj(prompt, i, version=0, n=2, reward=1.0):
@@ -13,8 +13,8 @@ def traj(prompt, i, version=0, n=2, reward=1.0):
 
 def test_groups_complete_in_order_and_dedup():
     buf = ExperienceBuffer()
-    assert buf.add(traj("a", 0))
-    assert not buf.add(traj("a", 0))
+    assert buf.add(traj("a", 0)) is Added.YES
+    assert buf.add(traj("a", 0)) is Added.DUPLICATE
     assert buf.ready_groups() == 0
     assert buf.add(traj("b", 0)) and buf.add(traj("b", 1))
     assert buf.add(traj("a", 1))
@@ -23,7 +23,7 @@ def test_groups_complete_in_order_and_dedup():
     assert [t.sample_index for t in groups[0].trajectories()] == [0, 1]
     assert buf.stats.duplicates == 1
     # Consumed ids are refused forever after.
-    assert not buf.add(traj("a", 0))
+    assert buf.add(traj("a", 0)) is Added.CONSUMED
     assert buf.stats.already_consumed == 1
     assert len(buf) == 0
 

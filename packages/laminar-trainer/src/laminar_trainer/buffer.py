@@ -21,12 +21,13 @@ or not at all; nothing here blocks — the caller waits on :meth:`wait_ready`.
 from __future__ import annotations
 
 import collections
+import enum
 import threading
 from dataclasses import dataclass, field
 
 from laminar_common.codec import Trajectory
 
-__all__ = ["ExperienceBuffer", "Group", "BufferStats"]
+__all__ = ["Added", "ExperienceBuffer", "Group", "BufferStats"]
 
 
 @dataclass
@@ -45,6 +46,18 @@ class Group:
 
     def min_version(self) -> int:
         return min(t.policy_version for t in self.members.values())
+
+
+class Added(enum.Enum):
+    """What :meth:`ExperienceBuffer.add` did with a trajectory (true only when buffered)."""
+
+    YES = "added"
+    CONSUMED = "already consumed"
+    DUPLICATE = "duplicate"
+    FULL = "buffer full"
+
+    def __bool__(self) -> bool:
+        return self is Added.YES
 
 
 @dataclass
@@ -83,20 +96,20 @@ class ExperienceBuffer:
     def __len__(self) -> int:
         return self._size
 
-    def add(self, traj: Trajectory) -> bool:
-        """Buffer one trajectory; False if it was a duplicate, consumed, or no room."""
+    def add(self, traj: Trajectory) -> Added:
+        """Buffer one trajectory; the result is false when it was refused, and says why."""
         with self._cond:
             self.stats.received += 1
             if traj.trajectory_id in self.consumed:
                 self.stats.already_consumed += 1
-                return False
+                return Added.CONSUMED
             group = self._groups.get(traj.prompt_id)
             if group is not None and traj.sample_index in group.members:
                 self.stats.duplicates += 1
-                return False
+                return Added.DUPLICATE
             if self._size >= self.capacity:
                 self.stats.dropped_full += 1
-                return False
+                return Added.FULL
             if group is None:
                 group = self._groups[traj.prompt_id] = Group(traj.prompt_id, traj.group_size)
             group.members[traj.sample_index] = traj
@@ -105,7 +118,7 @@ class ExperienceBuffer:
                 self.stats.reward_errors += 1
             if group.complete:
                 self._cond.notify_all()
-            return True
+            return Added.YES
 
     def ready_groups(self) -> int:
         with self._cond:

@@ -46,7 +46,7 @@ from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
 from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
 
-from .buffer import ExperienceBuffer, Group
+from .buffer import Added, ExperienceBuffer, Group
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
 from .distributed import Command, DistContext
@@ -260,8 +260,7 @@ class TrainerService(Service):
     def _receive_loop(self) -> None:
         while not self.stopping.is_set():
             msg = self.receiver.recv(timeout_s=0.1)
-            if msg is not None and not self.buffer.add(msg) and \
-                    msg.trajectory_id in self.buffer.consumed:
+            if msg is not None and self.buffer.add(msg) is Added.CONSUMED:
                 # A copy of something trained already (its ack was lost with a
                 # manager, or it was generated twice): ack it again once durable.
                 with self._reack_lock:
