@@ -19,6 +19,7 @@ from laminar_rollout.prompts import load_prompt_file
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
+# Integers past 2**64 on purpose (JSON has no bound; the loader must name the line).
 json_scalars = (st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats()
                 | st.text(max_size=12))
 json_values = st.recursive(json_scalars, lambda inner: (

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from laminar_common.codec import Trajectory
 from laminar_common.errors import LaminarError
+from laminar_common.testing import json_values
 from laminar_trainer.buffer import Group
 from laminar_trainer.checkpoint import (
     TrainerState,
@@ -35,11 +36,6 @@ from laminar_trainer.distributed import decode_groups, encode_groups
 SETTINGS = settings(max_examples=200, deadline=None)
 FILE_SETTINGS = settings(max_examples=100, deadline=None)
 
-json_scalars = (st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats()
-                | st.text(max_size=8))
-json_values = st.recursive(json_scalars, lambda inner: (
-    st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-    max_leaves=8)
 
 
 # -- STEP payloads --------------------------------------------------------------
