@@ -8,7 +8,8 @@ Two channel shapes:
   workers): DEALER/ROUTER sockets with a version handshake: a client's first
   message is :class:`~laminar_common.codec.Hello`; the server answers
   :class:`Welcome` or :class:`Refused` and drops anything else a peer sends
-  before its hello was accepted.
+  before its hello was accepted, answering it (at most once a second) with a
+  :class:`Refused` so that a peer the server forgot says hello again.
 
 Every receiver decodes through :func:`laminar_common.codec.decode`: malformed,
 oversized or other-version frames are rejected, counted in ``stats`` by
@@ -189,6 +190,7 @@ class _ServerCore:
         self.max_frame_bytes = max_frame_bytes
         self.accept = accept
         self.peers: dict[str, Hello] = {}
+        self._told_to_rejoin: dict[str, float] = {}
 
     def handle(self, peer: str, frame: bytes,
                reply: Callable[[Message | bytes], None]) -> Message | None:
@@ -212,6 +214,13 @@ class _ServerCore:
             return msg
         if peer not in self.peers:
             self.rejector.reject("no-hello", peer, f"{type(msg).__name__} before hello")
+            # A peer this server forgot (its lease expired while it was paused, or the
+            # server restarted) is told so, at most once a second, and says hello again.
+            now = time.monotonic()
+            if now - self._told_to_rejoin.get(peer, -1e9) >= 1.0:
+                self._told_to_rejoin[peer] = now
+                reply(Refused(reason=f"{type(msg).__name__} from {peer!r} before hello: "
+                                     "this server does not know you (say hello again)"))
             return None
         self.stats.received += 1
         return msg
@@ -361,6 +370,9 @@ class ZmqServer(Server):
                  send_timeout_s: float = 10.0, auth: CurveAuth | None = None) -> None:
         self._sock = _socket(zmq.ROUTER, hwm, max_frame_bytes)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A peer that reconnects with the same identity (a new socket after a pause or
+        # a restart) takes the identity over instead of being refused by ZeroMQ.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if auth is not None:
             auth.apply_server(self._sock)
         self.endpoint = _bind(self._sock, endpoint)

@@ -32,6 +32,8 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+
 from laminar_common import codec
 from laminar_common.codec import Command, PartialProgress, PromptTask, Trajectory, WorkerReport
 from laminar_common.errors import LaminarError, TransportError
@@ -90,16 +92,21 @@ class WorkerService(Service):
         self.coordinator = coordinator
         self.manager: ZmqClient | None = None
         self._manager_key: tuple[str, float] | None = None
+        self._manager_rec: MemberRecord | None = None
+        self._rejoin_to: MemberRecord | None = None
         self.metrics: MetricsServer | None = None
         self._curve = config.auth.curve()
         self.trainer: ZmqPushSender | None = None
-        self._trainer_addr: str | None = None
+        self._trainer_key: tuple[str, float] | None = None
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._tasks: dict[str, PromptTask] = {}
         self._fresh: collections.deque[PromptTask] = collections.deque()
         self._pull: int | None = None
         self._pull_retry_at = 0.0
         self.outbox: dict[str, Trajectory] = {}
+        self._resend_at: dict[str, tuple[float, int]] = {}
+        """Per outbox id: when to push it again unless acked, and how often it was pushed."""
+        self._last_resend_check = 0.0
         self._done_since_report: list[str] = []
         self._last_report = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
@@ -129,10 +136,13 @@ class WorkerService(Service):
         self._connect_manager()
         self.spawn(self._loop, "loop")
 
-    def _connect_manager(self, timeout_s: float = 60.0) -> None:
+    def _connect_manager(self, timeout_s: float = 60.0,
+                         known: MemberRecord | None = None) -> None:
+        """Say hello to the manager: ``known`` (no etcd call), else the one registered."""
         deadline = time.monotonic() + timeout_s
         while not self.stopping.is_set():
-            managers = self.coordinator.members("manager")
+            managers = {known.member_id: known} if known is not None else \
+                self.coordinator.members("manager")
             if managers:
                 rec = sorted(managers.values(), key=lambda r: r.member_id)[0]
                 hello = codec.Hello(member_id=self.worker_id, role="worker",
@@ -147,6 +157,7 @@ class WorkerService(Service):
                     raise
                 self.manager = client
                 self._manager_key = rec.incarnation
+                self._manager_rec = rec
                 log.info("connected to manager %s at %s", rec.member_id, rec.address)
                 print(f"WORKER READY {self.worker_id} v{self.engine.weight_version}", flush=True)
                 return
@@ -209,15 +220,15 @@ class WorkerService(Service):
         self._report(force=True)
         while not self.stopping.is_set():
             self._drain_events()
-            if self.manager is None:  # between managers (see _switch_manager)
+            if self.manager is None:  # between managers, or rejoining one (see _rejoin)
                 self.stopping.wait(0.5)
-                self._reconnect_manager()
+                self._reconnect_manager(self._rejoin_to)
                 continue
             busy = self.engine.has_unfinished()
             msg = self.manager.recv(timeout_s=0 if busy or self._fresh else 0.02)
             while msg is not None:
                 self._handle(msg)
-                msg = self.manager.recv(timeout_s=0)
+                msg = self.manager.recv(timeout_s=0) if self.manager is not None else None
             if self._pull is not None and not self.engine.has_unfinished() and \
                     time.monotonic() >= self._pull_retry_at:
                 try:
@@ -238,6 +249,7 @@ class WorkerService(Service):
             else:
                 self._mark("idle")
             self._report()
+            self._resend_overdue()
 
     def _mark(self, state: str) -> None:
         """Record a busy/idle/weights transition (for timelines; transitions only)."""
@@ -253,53 +265,73 @@ class WorkerService(Service):
             if kind == "trainer":
                 assert isinstance(payload, MembershipEvent)
                 if payload.kind == "put" and payload.record is not None:
-                    self._set_trainer(payload.record.address)
+                    self._set_trainer(payload.record)
             elif kind == "manager":
                 assert isinstance(payload, MembershipEvent)
                 rec = payload.record
                 if payload.kind == "put" and rec is not None and \
                         rec.incarnation != self._manager_key:
-                    self._switch_manager()
+                    self._rejoin("a new manager registered")
 
-    def _switch_manager(self) -> None:
-        """A (re)started manager: drop what the old one assigned, say hello to the new one.
+    def _rejoin(self, why: str, known: MemberRecord | None = None) -> None:
+        """Drop what the manager assigned and say hello again.
 
-        The new manager restored its ledger with everything unacked pending, so
-        it dispatches this worker's unfinished trajectories again; finished ones
-        stay in the outbox until the trainer's ack reaches the new manager.
+        Two causes: a (re)started manager (its restored ledger has everything
+        unacked pending), or a manager that forgot this worker (its lease expired
+        while it was paused; it answered a report with ``Refused``) and sent this
+        worker's trajectories to others meanwhile. Either way the manager
+        dispatches the unfinished ones again, so keeping them here would generate
+        them twice; finished ones stay in the outbox until the trainer's ack
+        (the trainer refuses a second copy by id).
         """
         dropped = self.engine.abort() if self.engine.has_unfinished() else []
         dropped_ids = [out.request_id for out in dropped] + [t.trajectory_id for t in self._fresh]
         self._tasks.clear()
         self._fresh.clear()
         self._done_since_report.clear()
-        self.counters["manager_switches"] += 1
-        log.warning("a new manager registered: dropping %d unfinished trajectories %s",
-                    len(dropped_ids), dropped_ids[:5])
+        self._rejoin_to = known
+        self.counters["manager_switches" if known is None else "rejoins"] += 1
+        log.warning("%s: dropping %d unfinished trajectories %s and saying hello again",
+                    why, len(dropped_ids), dropped_ids[:5])
         if self.manager is not None:
             self.manager.close()
             self.manager = None
-        self._reconnect_manager()
+        self._reconnect_manager(known)
 
-    def _reconnect_manager(self) -> None:
-        """Say hello to the registered manager; on failure the loop tries again later."""
+    def _reconnect_manager(self, known: MemberRecord | None = None) -> None:
+        """Say hello to the manager; on failure the loop tries again later."""
         try:
-            self._connect_manager(timeout_s=2.0)
+            self._connect_manager(timeout_s=2.0, known=known)
         except (LaminarError, TransportError) as exc:
             log.warning("manager not reachable yet (retrying): %s", exc)
             return
         self._report(force=True)
 
-    def _set_trainer(self, address: str) -> None:
-        if address == self._trainer_addr:
+    def _set_trainer(self, record: MemberRecord) -> None:
+        """A trainer registered: a new incarnation (a restart, at any address) gets every
+        unacked trajectory again; a re-registration of the same process changes nothing."""
+        if record.incarnation == self._trainer_key:
             return
         if self.trainer is not None:
             self.trainer.close(linger_s=0)
-        self.trainer = ZmqPushSender(address, send_timeout_s=5, auth=self._curve)
-        self._trainer_addr = address
-        log.info("trainer at %s; re-sending %d unacked trajectories", address, len(self.outbox))
+        self.trainer = ZmqPushSender(record.address, send_timeout_s=5, auth=self._curve)
+        self._trainer_key = record.incarnation
+        self.counters["trainer_switches"] += 1
+        log.info("trainer %s at %s; re-sending %d unacked trajectories", record.member_id,
+                 record.address, len(self.outbox))
         for traj in list(self.outbox.values()):
             self._push(traj)
+
+    def _resend_overdue(self) -> None:
+        """Push again what the trainer has not acked in time (see ``resend_after_s``)."""
+        now = time.monotonic()
+        if now - self._last_resend_check < 1.0 or self.trainer is None:
+            return
+        self._last_resend_check = now
+        for tid, (due, _) in list(self._resend_at.items()):
+            if due <= now and tid in self.outbox:
+                self.counters["resent"] += 1
+                self._push(self.outbox[tid])
 
     def _handle(self, msg: codec.Message) -> None:
         if isinstance(msg, PromptTask):
@@ -323,8 +355,12 @@ class WorkerService(Service):
             elif msg.action == "acked":
                 for tid in msg.trajectory_ids:
                     self.outbox.pop(tid, None)
+                    self._resend_at.pop(tid, None)
             else:
                 log.warning("unknown command %r from manager", msg.action)
+        elif isinstance(msg, codec.Refused):
+            self._rejoin(f"the manager does not know this worker ({msg.reason})",
+                         known=self._manager_rec)
         else:
             log.warning("ignoring %s from manager", type(msg).__name__)
 
@@ -368,7 +404,7 @@ class WorkerService(Service):
             policy_version=out.policy_version, prompt_token_ids=tuple(out.prompt_token_ids),
             response_token_ids=tuple(out.token_ids), behaviour_logprobs=tuple(out.logprobs),
             reward=reward, finish_reason=out.finish_reason, reward_error=error, completion=text,
-            simulated=out.simulated,
+            simulated=out.simulated, group_seq=task.group_seq, settled_below=task.settled_below,
         )
         self.outbox[traj.trajectory_id] = traj
         self._done_since_report.append(traj.trajectory_id)
@@ -378,6 +414,9 @@ class WorkerService(Service):
     def _push(self, traj: Trajectory) -> None:
         if self.trainer is None:
             return
+        _, pushes = self._resend_at.get(traj.trajectory_id, (0.0, 0))
+        backoff = self.config.resend_after_s * min(2 ** pushes, 8)
+        self._resend_at[traj.trajectory_id] = (time.monotonic() + backoff, pushes + 1)
         try:
             self.trainer.send(traj)
         except TransportError as exc:
@@ -389,11 +428,9 @@ class WorkerService(Service):
         wanted = [t for t in ids if t in self._tasks]
         for req in self.engine.export(wanted):
             task = self._tasks.pop(req.request_id)
-            self.manager.send(PromptTask(
-                trajectory_id=task.trajectory_id, prompt_id=task.prompt_id,
-                group_size=task.group_size, sample_index=task.sample_index, prompt=task.prompt,
-                prompt_token_ids=tuple(req.prompt_token_ids), metadata=task.metadata,
-                sampling=task.sampling, resume_token_ids=tuple(req.resume_token_ids),
+            self.manager.send(msgspec.structs.replace(
+                task, prompt_token_ids=tuple(req.prompt_token_ids),
+                resume_token_ids=tuple(req.resume_token_ids),
                 resume_logprobs=tuple(req.resume_logprobs),
                 policy_version=req.policy_version if req.policy_version is not None else -1,
             ))
@@ -423,6 +460,8 @@ class WorkerService(Service):
         self._report(force=True)
 
     def _report(self, force: bool = False) -> None:
+        if self.manager is None:  # between managers: the next hello reports
+            return
         now = time.monotonic()
         if not force and now - self._last_report < self.config.report_interval_s:
             return
@@ -446,8 +485,5 @@ class WorkerService(Service):
 
 
 def _without_resume(task: PromptTask) -> PromptTask:
-    return PromptTask(
-        trajectory_id=task.trajectory_id, prompt_id=task.prompt_id, group_size=task.group_size,
-        sample_index=task.sample_index, prompt=task.prompt,
-        prompt_token_ids=task.prompt_token_ids, metadata=task.metadata, sampling=task.sampling,
-    )
+    return msgspec.structs.replace(task, resume_token_ids=(), resume_logprobs=(),
+                                   policy_version=-1)
