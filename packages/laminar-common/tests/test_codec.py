@@ -64,11 +64,11 @@ def test_unknown_field_and_wrong_type_refused():
     body = msgspec.msgpack.encode({"kind": "ack", "trajectory_ids": ["a"], "trainer_step": 1,
                                    "trainer_version": 1, "surprise": 1})
     with pytest.raises(ProtocolError, match="malformed"):
-        codec.decode(codec.MAGIC + b"\x00\x01" + body)
+        codec.decode(codec.MAGIC + codec.PROTOCOL_VERSION.to_bytes(2, "big") + body)
     body = msgspec.msgpack.encode({"kind": "ack", "trajectory_ids": "notalist",
                                    "trainer_step": 1, "trainer_version": 1})
     with pytest.raises(ProtocolError, match="malformed"):
-        codec.decode(codec.MAGIC + b"\x00\x01" + body)
+        codec.decode(codec.MAGIC + codec.PROTOCOL_VERSION.to_bytes(2, "big") + body)
 
 
 def test_expect_restricts_kind():
@@ -80,7 +80,7 @@ def test_expect_restricts_kind():
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512))
 def test_fuzzed_bytes_never_escape_as_other_errors(data):
-    for frame in (data, codec.MAGIC + b"\x00\x01" + data):
+    for frame in (data, codec.MAGIC + codec.PROTOCOL_VERSION.to_bytes(2, "big") + data):
         try:
             msg = codec.decode(frame)
         except ProtocolError:

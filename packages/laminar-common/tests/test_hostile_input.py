@@ -131,7 +131,7 @@ def test_manifest_validation_never_lets_garbage_through(manifest):
 def test_structurally_plausible_frames(kind, fields):
     body = dict(fields, kind=kind.__struct_config__.tag)
     try:
-        frame = codec.MAGIC + b"\x00\x01" + msgspec.msgpack.encode(body)
+        frame = codec.MAGIC + codec.PROTOCOL_VERSION.to_bytes(2, "big") + msgspec.msgpack.encode(body)
     except (TypeError, OverflowError):
         return
     try:

@@ -43,8 +43,8 @@ def test_push_pull_rejects_bad_frames_and_keeps_serving(push_pull):
     sender, receiver = push_pull
     bad_version = bytearray(codec.encode(ACK))
     bad_version[5] = 99
-    for frame in (b"junk", codec.MAGIC + b"\x00\x01\xc1", bytes(bad_version),
-                  codec.MAGIC + b"\x00\x01" + b"x" * 5000):
+    for frame in (b"junk", codec.MAGIC + codec.PROTOCOL_VERSION.to_bytes(2, "big") + b"\xc1", bytes(bad_version),
+                  codec.MAGIC + codec.PROTOCOL_VERSION.to_bytes(2, "big") + b"x" * 5000):
         sender.send_frame(frame)
     sender.send(ACK)
     assert receiver.recv(timeout_s=5) == ACK

@@ -35,6 +35,7 @@ __all__ = [
     "Trajectory",
     "PartialProgress",
     "Ack",
+    "TrajectoryRejected",
     "WorkerReport",
     "Command",
     "TensorSpec",
@@ -45,7 +46,9 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: adds :class:`TrajectoryRejected` (trainer -> manager) and the group watermark
+(``group_seq``, ``settled_below``) of :class:`PromptTask` and :class:`Trajectory`."""
 MAGIC = b"LMNR"
 _HEADER = struct.Struct(">4sH")
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -95,6 +98,12 @@ class PromptTask(_Msg, tag="prompt"):
     ``resume_token_ids``/``resume_logprobs`` are non-empty for a migrated or
     recovered trajectory; ``policy_version`` is then the version that produced
     them and the receiving worker must run that same version.
+
+    ``group_seq`` numbers the prompt's group in the manager's creation order
+    (kept across manager restarts); ``settled_below`` is the manager's watermark
+    when it dispatched the task: every group numbered below it is acked or
+    rejected for good, so the trainer needs no per-id record of those (-1:
+    unknown). Both travel on to the :class:`Trajectory`.
     """
 
     trajectory_id: str
@@ -108,6 +117,8 @@ class PromptTask(_Msg, tag="prompt"):
     resume_token_ids: tuple[int, ...] = ()
     resume_logprobs: tuple[float, ...] = ()
     policy_version: int = -1
+    group_seq: int = -1
+    settled_below: int = -1
 
 
 class Trajectory(_Msg, tag="trajectory"):
@@ -128,6 +139,8 @@ class Trajectory(_Msg, tag="trajectory"):
     completion: str = ""
     generation_s: float = 0.0
     simulated: bool = False
+    group_seq: int = -1
+    settled_below: int = -1
 
 
 class PartialProgress(_Msg, tag="partial"):
@@ -146,6 +159,22 @@ class Ack(_Msg, tag="ack"):
     trajectory_ids: tuple[str, ...]
     trainer_step: int
     trainer_version: int
+
+
+class TrajectoryRejected(_Msg, tag="trajectory-rejected"):
+    """Trainer -> manager: a decodable trajectory whose contents are wrong was not trained.
+
+    ``final`` false: generate it again (the worker's copy is dropped). ``final``
+    true: the trainer gave up on this id (it was rejected too often; the group
+    trains without it) and the manager records it as rejected. A final
+    rejection is sent only once it is durable, like an :class:`Ack`.
+    """
+
+    trajectory_id: str
+    worker_id: str
+    reason: str
+    final: bool = False
+    trainer_step: int = -1
 
 
 class WorkerReport(_Msg, tag="report"):
@@ -216,6 +245,7 @@ Message = Union[
     Trajectory,
     PartialProgress,
     Ack,
+    TrajectoryRejected,
     WorkerReport,
     Command,
     WeightManifest,

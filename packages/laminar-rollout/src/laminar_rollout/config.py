@@ -128,6 +128,10 @@ class WorkerConfig(LaminarModel):
     """How often load reports and partial progress go to the manager."""
     outbox_capacity: int = Field(default=4096, ge=1)
     """Finished trajectories kept until the trainer's durable ack; full = take no prompts."""
+    resend_after_s: float = Field(default=30.0, gt=0)
+    """A trajectory pushed but not acked for this long is pushed again (then after 2x,
+    4x ... up to 8x this): a push the trainer refused (buffer full) or lost with a
+    paused or restarted peer is re-sent, and the trainer's id check makes it harmless."""
     relay: str | None = None
     """A relay's gRPC host:port to fetch weights from (default: found through etcd)."""
     fetch_timeout_s: float = Field(default=120.0, gt=0)
@@ -189,6 +193,15 @@ class ManagerConfig(LaminarModel):
     """Where the cursor and ledger are saved every 2 s (``manage --resume`` restores them)."""
     worker_timeout_s: float = Field(default=10.0, gt=0)
     """A worker silent this long (or whose lease expired) is considered dead."""
+    ledger_keep_groups: int | None = Field(default=4096, ge=0)
+    """Settled groups (every sample acked or rejected) kept in the ledger behind its
+    watermark; older ones are compacted away, so the manager's memory and state file
+    stay flat over a long run (counts of them are kept). None keeps everything."""
+    lease_grace_s: float = Field(default=2.0, ge=0)
+    """A worker whose lease expired but that was heard from within this long is kept:
+    that is etcd pausing (or a network blip between the worker and etcd), not a dead
+    worker, and its keepalive registers it again. A worker that was itself paused is
+    silent for longer than that, is declared lost, and says hello again when it wakes."""
     repack: RepackConfig = RepackConfig()
     """Dynamic repack."""
     metrics: MetricsConfig = MetricsConfig()

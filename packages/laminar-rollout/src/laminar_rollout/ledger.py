@@ -31,6 +31,8 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from laminar_common.codec import PromptTask, SamplingSpec
 
 from .prompts import PromptRecord
@@ -60,6 +62,8 @@ class LedgerCounters:
     restarted: int = 0
     migrated: int = 0
     acks_unknown: int = 0
+    regenerated: int = 0
+    """Trajectories generated again because the trainer refused a copy by content."""
     by_state: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
@@ -70,8 +74,19 @@ def trajectory_id(prompt_id: str, sample_index: int) -> str:
 class TrajectoryLedger:
     """The state of every trajectory of a run (see module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_settled: int | None = None) -> None:
         self.entries: dict[str, Entry] = {}
+        # Groups by creation number (``group_seq``): [prompt_id, group_size, batch,
+        # trajectories not yet acked/rejected]. ``settled_below`` is the watermark:
+        # every group numbered below it is settled. Settled groups more than
+        # ``keep_settled`` behind it are compacted away (their entries dropped),
+        # so memory and snapshots stay flat however long the run.
+        self._groups: collections.OrderedDict[int, list] = collections.OrderedDict()
+        self._next_seq = 0
+        self.settled_below = 0
+        self.keep_settled = keep_settled
+        self.compacted_groups = 0
+        self.compacted_states: collections.Counter[str] = collections.Counter()
         self._pending: collections.deque[str] = collections.deque()
         self.counters = LedgerCounters()
         # Indexes kept in step with every state change, so per-loop queries are
@@ -84,8 +99,13 @@ class TrajectoryLedger:
     # -- creation -------------------------------------------------------------
 
     def add_group(self, record: PromptRecord, group_size: int, sampling: SamplingSpec,
-                  batch: int = -1) -> list[str]:
-        """Create the ``group_size`` trajectories of one prompt, all pending."""
+                  batch: int = -1, seq: int | None = None) -> list[str]:
+        """Create the ``group_size`` trajectories of one prompt, all pending, as group
+        number ``seq`` (the next one by default; a restore passes the saved one)."""
+        seq = self._next_seq if seq is None else seq
+        if seq < self._next_seq:
+            raise ValueError(f"group number {seq} for {record.prompt_id!r} is not after "
+                             f"{self._next_seq - 1}: groups are numbered in creation order")
         ids = []
         meta = dict(record.metadata)
         if batch >= 0:
@@ -96,14 +116,37 @@ class TrajectoryLedger:
                 raise ValueError(f"trajectory {tid!r} already exists: prompt ids must be unique")
             task = PromptTask(trajectory_id=tid, prompt_id=record.prompt_id,
                               group_size=group_size, sample_index=i, prompt=record.prompt,
-                              metadata=meta, sampling=sampling)
+                              metadata=meta, sampling=sampling, group_seq=seq)
             self.entries[tid] = Entry(task)
             self.counters.by_state[PENDING] += 1
             if batch >= 0:
                 self._open_in_batch[str(batch)] += 1
             self._pending.append(tid)
             ids.append(tid)
+        if self.settled_below == self._next_seq:  # nothing open: the watermark may jump
+            self.settled_below = seq
+        self._groups[seq] = [record.prompt_id, group_size, batch, group_size]
+        self._next_seq = seq + 1
         return ids
+
+    def _settle(self, entry: Entry) -> None:
+        """One trajectory became final: move the watermark over settled groups, compact."""
+        self._groups[entry.task.group_seq][3] -= 1
+        while self.settled_below < self._next_seq and \
+                self._groups[self.settled_below][3] == 0:
+            self.settled_below += 1
+        if self.keep_settled is None:
+            return
+        while self._groups:
+            seq = next(iter(self._groups))
+            if seq >= self.settled_below - self.keep_settled:
+                break
+            prompt_id, group_size, _, _ = self._groups.pop(seq)
+            for i in range(group_size):
+                gone = self.entries.pop(trajectory_id(prompt_id, i), None)
+                if gone is not None:
+                    self.compacted_states[gone.state] += 1
+            self.compacted_groups += 1
 
     # -- transitions ----------------------------------------------------------
 
@@ -120,6 +163,8 @@ class TrajectoryLedger:
         if batch is not None and (old in (PENDING, DISPATCHED)) != (state in (PENDING, DISPATCHED)):
             self._open_in_batch[batch] += -1 if old in (PENDING, DISPATCHED) else 1
         entry.state = state
+        if state in (ACKED, REJECTED) and old not in (ACKED, REJECTED):
+            self._settle(entry)
 
     def pending_count(self) -> int:
         return self.counters.by_state[PENDING]
@@ -154,7 +199,7 @@ class TrajectoryLedger:
         return self._dispatch(entry, worker)
 
     def _dispatch(self, entry: Entry, worker: str) -> PromptTask:
-        task = entry.task
+        task = msgspec.structs.replace(entry.task, settled_below=self.settled_below)
         if entry.partial_tokens:
             task = _with_resume(task, entry)
             self.counters.resumed += 1
@@ -208,6 +253,35 @@ class TrajectoryLedger:
             return False
         self._move(entry, REJECTED)
         entry.reason = reason
+        return True
+
+    def trainer_rejected(self, tid: str, worker: str, reason: str, final: bool) -> bool:
+        """The trainer refused ``worker``'s copy of ``tid`` by its contents.
+
+        Not final: the trajectory is generated again (pending, without tokens) if
+        that copy is the one the ledger knows of (done or dispatched at
+        ``worker``). Final: it is rejected for good, whoever holds it now. A
+        rejection of an old copy, or of an acked id, changes nothing (stale).
+        """
+        entry = self.entries.get(tid)
+        if entry is None or entry.state in (ACKED, REJECTED):
+            self.counters.stale_reports += 1
+            return False
+        if final:
+            self._move(entry, REJECTED)
+            entry.worker = None
+            entry.reason = f"trainer: {reason}"
+            _clear_partial(entry)
+            self._resumable.discard(tid)
+            return True
+        if entry.state not in (DONE, DISPATCHED) or entry.worker != worker:
+            self.counters.stale_reports += 1
+            return False
+        _clear_partial(entry)
+        self._move(entry, PENDING)
+        entry.worker = None
+        self._pending.appendleft(tid)
+        self.counters.regenerated += 1
         return True
 
     def mark_acked(self, tid: str) -> str | None:
@@ -279,6 +353,11 @@ class TrajectoryLedger:
     def assigned(self, worker: str) -> int:
         return len(self._held.get(worker, ()))
 
+    @property
+    def created(self) -> int:
+        """Trajectories created over the run (compacted ones included)."""
+        return sum(self.counters.by_state[s] for s in STATES)
+
     def counts(self) -> dict[str, int]:
         return {s: self.counters.by_state[s] for s in STATES}
 
@@ -296,24 +375,25 @@ class TrajectoryLedger:
     def snapshot(self) -> dict[str, object]:
         """What a restarted manager needs (tokens are not kept).
 
-        ``states``: trajectory ids by state; ``groups``: ``[prompt_id,
-        group_size, batch]`` per prompt, in creation order; ``dispatched_to``:
-        how many trajectories each worker holds.
+        ``states``: trajectory ids by state (of the groups not compacted);
+        ``groups``: ``[prompt_id, group_size, batch, group_seq]`` per prompt, in
+        creation order; ``dispatched_to``: how many trajectories each worker
+        holds; ``settled_below``: the watermark; ``compacted``: how many groups
+        were compacted away and their trajectories' final states.
         """
         states: dict[str, list[str]] = {s: [] for s in STATES}
-        groups: dict[str, list] = {}
         for tid, entry in self.entries.items():
             states[entry.state].append(tid)
-            task = entry.task
-            if task.prompt_id not in groups:
-                groups[task.prompt_id] = [task.prompt_id, task.group_size,
-                                          int(task.metadata.get("batch", -1))]
-        return {"states": states, "groups": list(groups.values()),
-                "dispatched_to": {w: len(ids) for w, ids in self._held.items() if ids}}
+        groups = [[prompt_id, size, batch, seq]
+                  for seq, (prompt_id, size, batch, _) in self._groups.items()]
+        return {"states": states, "groups": groups,
+                "dispatched_to": {w: len(ids) for w, ids in self._held.items() if ids},
+                "settled_below": self.settled_below,
+                "compacted": {"groups": self.compacted_groups, **self.compacted_states}}
 
     @classmethod
     def restored(cls, snapshot: dict, records: Callable[[str], PromptRecord | None],
-                 sampling: SamplingSpec) -> TrajectoryLedger:
+                 sampling: SamplingSpec, keep_settled: int | None = None) -> TrajectoryLedger:
         """A new ledger from :meth:`snapshot` (see module docstring).
 
         ``records`` finds a prompt's record by the id it was dispatched under.
@@ -321,15 +401,26 @@ class TrajectoryLedger:
         Raises:
             ValueError: the snapshot does not fit, naming what is wrong.
         """
-        ledger = cls()
+        ledger = cls(keep_settled)
         try:
             states, groups = snapshot["states"], snapshot["groups"]
             final = {tid: state for state in (ACKED, REJECTED) for tid in states.get(state, ())}
-            for prompt_id, group_size, batch in groups:
+            for group in groups:
+                # [prompt_id, group_size, batch, group_seq]; snapshots before group
+                # numbers had three fields and no compaction.
+                prompt_id, group_size, batch = group[:3]
+                seq = int(group[3]) if len(group) > 3 else None
                 record = records(prompt_id)
                 if record is None:
                     raise ValueError(f"prompt {prompt_id!r} is not in the prompt file")
-                ledger.add_group(record, int(group_size), sampling, batch=int(batch))
+                ledger.add_group(record, int(group_size), sampling, batch=int(batch), seq=seq)
+            compacted = dict(snapshot.get("compacted", {}))
+            ledger.compacted_groups = int(compacted.pop("groups", 0))
+            for state, n in compacted.items():
+                if state not in (ACKED, REJECTED):
+                    raise ValueError(f"compacted trajectories in state {state!r}")
+                ledger.compacted_states[state] = int(n)
+                ledger.counters.by_state[state] += int(n)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed ledger snapshot: {exc!r}") from exc
         unknown = sorted(set(final) - set(ledger.entries))
@@ -342,13 +433,9 @@ class TrajectoryLedger:
 
 
 def _with_resume(task: PromptTask, entry: Entry) -> PromptTask:
-    return PromptTask(
-        trajectory_id=task.trajectory_id, prompt_id=task.prompt_id, group_size=task.group_size,
-        sample_index=task.sample_index, prompt=task.prompt,
-        prompt_token_ids=task.prompt_token_ids, metadata=task.metadata, sampling=task.sampling,
-        resume_token_ids=entry.partial_tokens, resume_logprobs=entry.partial_logprobs,
-        policy_version=entry.partial_version,
-    )
+    return msgspec.structs.replace(task, resume_token_ids=entry.partial_tokens,
+                                   resume_logprobs=entry.partial_logprobs,
+                                   policy_version=entry.partial_version)
 
 
 def _clear_partial(entry: Entry) -> None:

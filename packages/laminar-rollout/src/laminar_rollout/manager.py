@@ -23,12 +23,20 @@ import time
 from dataclasses import dataclass, field
 
 from laminar_common import codec
-from laminar_common.codec import Command, PartialProgress, PromptTask, SamplingSpec, WorkerReport
+from laminar_common.codec import (
+    Command,
+    PartialProgress,
+    PromptTask,
+    SamplingSpec,
+    TrajectoryRejected,
+    WorkerReport,
+)
 from laminar_common.errors import LaminarError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent, VersionRecord
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
+from laminar_common.status import StatusWriter
 from laminar_common.transport import TransportError, ZmqPullReceiver, ZmqServer
 
 from .config import ManagerConfig
@@ -72,6 +80,10 @@ class ManagerStats:
     """Summed over migrated trajectories: export command sent -> dispatched to its
     destination (``migrations_placed`` of them)."""
     pulls_commanded: int = 0
+    lease_expired_kept: int = 0
+    """Workers whose lease expired while they kept talking (etcd paused): kept."""
+    trainer_rejections: int = 0
+    """Trajectories the trainer refused by content (each generated again or failed)."""
     recovery_seconds: list[float] = field(default_factory=list)
     """Per lost worker: last heard from -> every trajectory it held dispatched again."""
 
@@ -94,7 +106,7 @@ class ManagerService(Service):
         super().__init__()
         self.config = config
         self.coordinator = coordinator
-        self.ledger = TrajectoryLedger()
+        self.ledger = TrajectoryLedger(config.ledger_keep_groups)
         self.records = load_prompt_file(config.prompts)
         self.cursor = PromptCursor(self.records, config.epochs, config.max_prompts)
         self.sampling = SamplingSpec(**config.sampling.model_dump())
@@ -115,6 +127,7 @@ class ManagerService(Service):
         self.server: ZmqServer | None = None
         self.acks: ZmqPullReceiver | None = None
         self.metrics: MetricsServer | None = None
+        self.status: StatusWriter | None = None
 
     def _state_path(self) -> str | None:
         if self.config.state_dir is None:
@@ -137,7 +150,7 @@ class ManagerService(Service):
                                        epoch=int(cursor["epoch"]), position=int(cursor["position"]))
             self.batch = int(data["summary"].get("batch", -1))
             self.ledger = TrajectoryLedger.restored(data["ledger"], self.cursor.lookup,
-                                                    self.sampling)
+                                                    self.sampling, self.config.ledger_keep_groups)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise LaminarError(f"manager --resume: cannot restore {path}: {exc}") from exc
         log.info("resumed from %s: cursor %s, batch %d, ledger %s", path, self.cursor.state(),
@@ -148,9 +161,11 @@ class ManagerService(Service):
     def _start(self) -> None:
         curve = self.config.auth.curve()
         self.server = ZmqServer(self.config.listen, member_id=self.config.manager_id, auth=curve)
-        self.acks = ZmqPullReceiver(self.config.ack_listen, expect=codec.Ack, auth=curve)
+        self.acks = ZmqPullReceiver(self.config.ack_listen,
+                                    expect=(codec.Ack, TrajectoryRejected), auth=curve)
         if self.coordinator is None:
             self.coordinator = make_coordinator(self.config.etcd, self.config.job)
+        self.status = StatusWriter(self.coordinator, "manager status")
         self.coordinator.watch_members(self._on_member, role="worker")
         self.coordinator.watch_latest(lambda rec: self._events.put(("latest", rec)))
         latest = self.coordinator.latest_version()
@@ -176,6 +191,8 @@ class ManagerService(Service):
         self._write_state(force=True)
         if self.metrics is not None:
             self.metrics.stop()
+        if self.status is not None:
+            self.status.close(timeout_s=2)
         if self.coordinator is not None:
             self.coordinator.close()
         for sock in (self.server, self.acks):
@@ -197,7 +214,10 @@ class ManagerService(Service):
                 item = self.server.recv(timeout_s=0)
             ack = self.acks.recv(timeout_s=0)
             while ack is not None:
-                self._handle_ack(ack)
+                if isinstance(ack, TrajectoryRejected):
+                    self._handle_trainer_rejection(ack)
+                else:
+                    self._handle_ack(ack)
                 ack = self.acks.recv(timeout_s=0)
             self._expire_silent_workers()
             self._schedule()
@@ -221,7 +241,16 @@ class ManagerService(Service):
             elif kind == "member":
                 assert isinstance(payload, MembershipEvent)
                 if payload.kind == "delete" and payload.member_id in self.workers:
-                    self._worker_lost(payload.member_id, "lease expired")
+                    silent = time.monotonic() - self.workers[payload.member_id].last_seen
+                    if silent > self.config.lease_grace_s:
+                        self._worker_lost(payload.member_id,
+                                          f"lease expired, silent for {silent:.1f}s")
+                    else:
+                        # It talks to us but not to etcd: etcd paused or partitioned from
+                        # it. Its keepalive registers it again; work goes on meanwhile.
+                        self.stats.lease_expired_kept += 1
+                        log.warning("worker %s: lease expired but it was heard from %.1fs ago; "
+                                    "keeping it (etcd paused?)", payload.member_id, silent)
 
     def _handle(self, peer: str, msg: codec.Message) -> None:
         if isinstance(msg, codec.Hello):
@@ -286,6 +315,17 @@ class ManagerService(Service):
             for worker in self.workers:
                 self._send(worker, Command(action="acked", trajectory_ids=tuple(unattributed)))
 
+    def _handle_trainer_rejection(self, msg: TrajectoryRejected) -> None:
+        """The trainer refused a trajectory by content: generate it again, or (final)
+        record it as rejected; either way its worker drops its copy."""
+        if self.ledger.trainer_rejected(msg.trajectory_id, msg.worker_id, msg.reason, msg.final):
+            self.stats.trainer_rejections += 1
+            log.warning("trainer rejected %s from %s (%s): %s", msg.trajectory_id,
+                        msg.worker_id, "failed for good" if msg.final else "generating it again",
+                        msg.reason)
+        if msg.worker_id in self.workers:
+            self._send(msg.worker_id, Command(action="acked", trajectory_ids=(msg.trajectory_id,)))
+
     def _send(self, worker: str, msg: codec.Message) -> bool:
         try:
             self.server.send(worker, msg)
@@ -316,7 +356,8 @@ class ManagerService(Service):
         """Close the recoveries whose trajectories all left ``pending``."""
         now = time.monotonic()
         for rec in list(self._recoveries):
-            rec.ids = {t for t in rec.ids if self.ledger.entries[t].state == PENDING}
+            rec.ids = {t for t in rec.ids if (e := self.ledger.entries.get(t)) is not None
+                       and e.state == PENDING}
             if not rec.ids:
                 self._recoveries.remove(rec)
                 self.stats.recovery_seconds.append(now - rec.last_seen)
@@ -364,7 +405,7 @@ class ManagerService(Service):
             want = sum(v.capacity for v in views)
             allowed = (self.latest + 1 + cfg.max_staleness) * cfg.batch_groups * cfg.group_size
             while self.ledger.pending_count() < want and not self.cursor.exhausted() and \
-                    len(self.ledger.entries) + cfg.group_size <= allowed:
+                    self.ledger.created + cfg.group_size <= allowed:
                 self.ledger.add_group(self.cursor.next(), cfg.group_size, self.sampling)
             plan = plan_laminar(views, self.latest)
         else:
@@ -471,6 +512,15 @@ class ManagerService(Service):
                    labels=("reason",),
                    values={(k,): v for k, v in self.server.stats.rejected.items()}
                    if self.server else {}),
+            Metric("ack_rejected_frames_total", "counter", "frames refused by the ack socket",
+                   labels=("reason",),
+                   values={(k,): v for k, v in self.acks.stats.rejected.items()}
+                   if self.acks else {}),
+            Metric("trainer_rejections_total", "counter",
+                   "trajectories the trainer refused by content", st.trainer_rejections),
+            Metric("lease_expired_kept_total", "counter",
+                   "workers kept although their lease expired (they kept talking)",
+                   st.lease_expired_kept),
         ]
 
     def summary(self) -> dict[str, object]:
@@ -490,12 +540,17 @@ class ManagerService(Service):
             "resumed": self.ledger.counters.resumed,
             "restarted": self.ledger.counters.restarted,
             "stale_reports": self.ledger.counters.stale_reports,
+            "trainer_rejections": self.stats.trainer_rejections,
+            "lease_expired_kept": self.stats.lease_expired_kept,
+            "ack_rejected_frames": dict(self.acks.stats.rejected) if self.acks else {},
             "pulls_commanded": self.stats.pulls_commanded,
             "latest_version": self.latest,
             "cursor": self.cursor.state(),
             "batch": self.batch,
             "prompts_exhausted": self.cursor.exhausted(),
             "settled": self.ledger.settled(),
+            "settled_below": self.ledger.settled_below,
+            "compacted_groups": self.ledger.compacted_groups,
         }
 
     def _log_progress(self) -> None:
@@ -509,10 +564,8 @@ class ManagerService(Service):
                                                  "capacity": w.capacity, "kv_used": w.kv_used,
                                                  "assigned": self.ledger.assigned(w.worker_id)}
                                   for w in self.workers.values()})
-        try:
-            self.coordinator.put_state("manager", json.dumps(status).encode())
-        except LaminarError as exc:
-            log.warning("could not write the status snapshot to etcd: %s", exc)
+        # In the background: this loop never waits on etcd.
+        self.status.put("manager", json.dumps(status).encode())
         if now - self._last_ledger_log >= 10:
             self._last_ledger_log = now
             log.info("ledger %s, %d workers, latest v%d", s["ledger"], s["workers"], self.latest)
