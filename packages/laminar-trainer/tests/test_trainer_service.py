@@ -134,14 +134,17 @@ def test_resume_rolls_back_past_the_checkpoint(tmp_path, model_dir):
     svc = h.start()
     h.send(svc, [t for p in "abcdef" for t in _trajs(p)])
     assert _wait(lambda: svc.step == 3, 60)
-    svc.close("simulated crash after step 3 (checkpoint at 2)")
+    # A failure (not a graceful stop) writes no final checkpoint: the crash case.
+    svc.fail(RuntimeError("simulated crash after step 3 (checkpoint at 2)"))
     assert (tmp_path / "ckpt" / "LATEST").read_text() == "step-00000002"
 
     svc2 = h.start(resume=True)
     try:
         assert svc2.step == 2
         assert svc2.version > 3, "a resumed trainer must publish a newer version"
-        assert svc2.buffer.consumed == {f"{p}#{i}" for p in "abcd" for i in range(2)}
+        assert set(svc2.buffer.consumed) == {f"{p}#{i}" for p in "abcd" for i in range(2)}
+        rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2], "metrics.jsonl is cut back to the checkpoint"
         # Workers re-send everything unacked: e and f (rolled back) plus g and h.
         h.send(svc2, [t for p in "efgh" for t in _trajs(p, version=3)])
         assert _wait(lambda: svc2.finished.is_set(), 60)
@@ -149,6 +152,32 @@ def test_resume_rolls_back_past_the_checkpoint(tmp_path, model_dir):
         ids = [i for x in lines for i in x["ids"]]
         assert [x["step"] for x in lines] == [1, 2, 3, 4]
         assert len(ids) == len(set(ids)) == 16
+        rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    finally:
+        svc2.close()
+
+
+def test_graceful_stop_writes_a_final_checkpoint_and_acks_it(tmp_path, model_dir):
+    h = Harness(tmp_path, model_dir, total_steps=5)
+    svc = h.start()
+    h.send(svc, [t for p in "abcdef" for t in _trajs(p)])
+    assert _wait(lambda: svc.step == 3, 60)
+    svc.close("signal SIGTERM")  # what run_forever does on SIGTERM / SIGINT
+    assert (tmp_path / "ckpt" / "LATEST").read_text() == "step-00000003"
+    h.drain_acks(1.0)
+    assert set(h.acked) == {f"{p}#{i}" for p in "abcdef" for i in range(2)}, h.acked
+    svc2 = h.start(resume=True)
+    try:
+        assert svc2.step == 3
+        # A worker re-sends what it still holds: the trained e, f are refused by id.
+        h.send(svc2, [t for p in "efghij" for t in _trajs(p, version=3)])
+        assert _wait(lambda: svc2.finished.is_set(), 60)
+        assert svc2.buffer.stats.already_consumed == 4
+        lines = [json.loads(x) for x in (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
+        ids = [i for x in lines for i in x["ids"]]
+        assert [x["step"] for x in lines] == [1, 2, 3, 4, 5]
+        assert len(ids) == len(set(ids)) == 20
     finally:
         svc2.close()
 

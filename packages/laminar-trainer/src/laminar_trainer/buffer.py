@@ -13,6 +13,17 @@ Sampling policies (``policy``):
   generating version) is dropped (``stale_action="drop"``) or kept with its
   advantages scaled by ``downweight`` (``stale_action="downweight"``).
 
+Exactly-once memory stays flat (:class:`ConsumedIds`): ids are kept one by
+one only for groups above the manager's watermark (``settled_below``, which
+every trajectory carries: all groups numbered below it are acked or rejected
+for good); a trajectory of a group below the watermark is refused as consumed
+without a per-id record.
+
+A sample the trainer gave up on (:meth:`ExperienceBuffer.fail`: rejected by
+content too often) counts as consumed and its group completes without it.
+Groups dropped as too stale are consumed too, and their ids wait in
+:meth:`ExperienceBuffer.pop_dropped` to be acked (nothing waits for them).
+
 Invariants: a trajectory id is handed out at most once over the buffer's
 life (``consumed`` persists through checkpoints); a group is handed out whole
 or not at all; nothing here blocks — the caller waits on :meth:`wait_ready`.
@@ -22,12 +33,65 @@ from __future__ import annotations
 
 import collections
 import enum
+import heapq
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from laminar_common.codec import Trajectory
 
-__all__ = ["Added", "ExperienceBuffer", "Group", "BufferStats"]
+__all__ = ["Added", "ConsumedIds", "ExperienceBuffer", "Group", "BufferStats"]
+
+
+class ConsumedIds:
+    """The trajectory ids consumed so far, compacted below the manager's watermark.
+
+    ``watermark``: every group numbered below it is settled at the manager. Ids
+    of groups at or above it (or of unnumbered groups, ``group_seq`` -1) are
+    kept one by one; the rest are dropped as the watermark moves.
+    """
+
+    def __init__(self, ids: Iterable[str] = (), seqs: Iterable[int] | None = None,
+                 watermark: int = -1) -> None:
+        self.watermark = watermark
+        self._recent: dict[str, int] = {}
+        self._heap: list[tuple[int, str]] = []
+        ids = list(ids)
+        for tid, seq in zip(ids, seqs if seqs is not None else [-1] * len(ids), strict=True):
+            self.add(tid, seq)
+
+    def add(self, tid: str, seq: int = -1) -> None:
+        if seq >= 0 and seq < self.watermark:
+            return
+        self._recent[tid] = seq
+        if seq >= 0:
+            heapq.heappush(self._heap, (seq, tid))
+
+    def covers(self, tid: str, seq: int) -> bool:
+        """Was ``tid`` (of group ``seq``) consumed, or is its group settled?"""
+        return (0 <= seq < self.watermark) or tid in self._recent
+
+    def advance(self, settled_below: int) -> None:
+        """The manager's watermark moved: forget the ids of groups below it."""
+        if settled_below <= self.watermark:
+            return
+        self.watermark = settled_below
+        while self._heap and self._heap[0][0] < settled_below:
+            _, tid = heapq.heappop(self._heap)
+            self._recent.pop(tid, None)
+
+    def items(self) -> list[tuple[str, int]]:
+        """``(id, group_seq)`` of every id kept, sorted by id (for checkpoints)."""
+        return sorted(self._recent.items())
+
+    def __contains__(self, tid: object) -> bool:
+        return tid in self._recent
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._recent)
+
+    def __len__(self) -> int:
+        return len(self._recent)
 
 
 @dataclass
@@ -36,10 +100,12 @@ class Group:
     group_size: int
     members: dict[int, Trajectory] = field(default_factory=dict)
     weight: float = 1.0
+    failed: set[int] = field(default_factory=set)
+    """Sample indices given up on (rejected too often): the group trains without them."""
 
     @property
     def complete(self) -> bool:
-        return len(self.members) == self.group_size
+        return len(self.members) + len(self.failed) >= self.group_size
 
     def trajectories(self) -> list[Trajectory]:
         return [self.members[i] for i in sorted(self.members)]
@@ -55,6 +121,8 @@ class Added(enum.Enum):
     CONSUMED = "already consumed"
     DUPLICATE = "duplicate"
     FULL = "buffer full"
+    MISMATCH = "group mismatch"
+    """Its ``group_size`` differs from the buffered members' (wrong contents)."""
 
     def __bool__(self) -> bool:
         return self is Added.YES
@@ -69,6 +137,8 @@ class BufferStats:
     dropped_stale: int = 0
     downweighted: int = 0
     reward_errors: int = 0
+    mismatched: int = 0
+    failed: int = 0
     staleness: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
@@ -77,7 +147,7 @@ class ExperienceBuffer:
 
     def __init__(self, capacity: int = 4096, policy: str = "fifo", max_staleness: int = 4,
                  stale_action: str = "drop", downweight: float = 0.5,
-                 consumed: set[str] | None = None) -> None:
+                 consumed: ConsumedIds | Iterable[str] | None = None) -> None:
         if policy not in ("fifo", "staleness"):
             raise ValueError(f"buffer policy {policy!r}: expected 'fifo' or 'staleness'")
         if stale_action not in ("drop", "downweight"):
@@ -87,8 +157,10 @@ class ExperienceBuffer:
         self.max_staleness = max_staleness
         self.stale_action = stale_action
         self.downweight = downweight
-        self.consumed: set[str] = set(consumed or ())
+        self.consumed = consumed if isinstance(consumed, ConsumedIds) else \
+            ConsumedIds(consumed or ())
         self.stats = BufferStats()
+        self._dropped: list[str] = []
         self._groups: collections.OrderedDict[str, Group] = collections.OrderedDict()
         self._size = 0
         self._cond = threading.Condition()
@@ -100,10 +172,14 @@ class ExperienceBuffer:
         """Buffer one trajectory; the result is false when it was refused, and says why."""
         with self._cond:
             self.stats.received += 1
-            if traj.trajectory_id in self.consumed:
+            self.consumed.advance(traj.settled_below)
+            if self.consumed.covers(traj.trajectory_id, traj.group_seq):
                 self.stats.already_consumed += 1
                 return Added.CONSUMED
             group = self._groups.get(traj.prompt_id)
+            if group is not None and traj.group_size != group.group_size:
+                self.stats.mismatched += 1
+                return Added.MISMATCH
             if group is not None and traj.sample_index in group.members:
                 self.stats.duplicates += 1
                 return Added.DUPLICATE
@@ -119,6 +195,31 @@ class ExperienceBuffer:
             if group.complete:
                 self._cond.notify_all()
             return Added.YES
+
+    def fail(self, traj: Trajectory) -> None:
+        """Give up on ``traj``'s sample: consumed (never trained), and its group
+        completes without it."""
+        with self._cond:
+            self.consumed.add(traj.trajectory_id, traj.group_seq)
+            group = self._groups.get(traj.prompt_id)
+            if group is None:
+                group = self._groups[traj.prompt_id] = Group(traj.prompt_id,
+                                                             max(1, traj.group_size))
+            group.failed.add(traj.sample_index)
+            self.stats.failed += 1
+            if group.complete:
+                self._cond.notify_all()
+
+    def consumed_state(self) -> tuple[list[tuple[str, int]], int]:
+        """``(consumed.items(), watermark)`` read under the lock (for a checkpoint)."""
+        with self._cond:
+            return self.consumed.items(), self.consumed.watermark
+
+    def pop_dropped(self) -> list[str]:
+        """Ids consumed without training (stale groups) since the last call."""
+        with self._cond:
+            out, self._dropped = self._dropped, []
+            return out
 
     def ready_groups(self) -> int:
         with self._cond:
@@ -143,11 +244,14 @@ class ExperienceBuffer:
                     continue
                 del self._groups[prompt_id]
                 self._size -= len(group.members)
+                if not group.members:  # every sample given up on
+                    continue
                 staleness = trainer_version - group.min_version()
                 if self.policy == "staleness" and staleness > self.max_staleness:
                     if self.stale_action == "drop":
                         self.stats.dropped_stale += 1
                         self._mark_consumed(group, trainer_version)
+                        self._dropped.extend(t.trajectory_id for t in group.trajectories())
                         continue
                     group.weight = self.downweight
                     self.stats.downweighted += 1
@@ -157,5 +261,5 @@ class ExperienceBuffer:
 
     def _mark_consumed(self, group: Group, trainer_version: int) -> None:
         for traj in group.members.values():
-            self.consumed.add(traj.trajectory_id)
+            self.consumed.add(traj.trajectory_id, traj.group_seq)
             self.stats.staleness[trainer_version - traj.policy_version] += 1

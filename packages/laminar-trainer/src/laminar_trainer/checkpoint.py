@@ -3,7 +3,8 @@
 Layout of ``<dir>/step-<NNNNNNNN>/``: the model and tokenizer
 (``save_pretrained``), ``optimizer.safetensors`` (every optimizer state tensor)
 with ``optimizer.json`` (param groups and scalar state), and ``trainer.json``
-(step, version, the ids consumed up to this step, RNG seed). A checkpoint is
+(step, version, the ids consumed up to this step above the manager's
+watermark with their group numbers, the watermark, RNG seed). A checkpoint is
 written into ``step-N.tmp`` and renamed into place, then ``LATEST`` is
 replaced (also by rename), so a crash leaves the previous checkpoint intact
 and never a partial one. Nothing is pickled.
@@ -37,6 +38,10 @@ class TrainerState:
     version: int
     consumed: list[str]
     seed: int = 0
+    consumed_seqs: list[int] | None = None
+    """Group number of each id in ``consumed`` (same order); None in old checkpoints."""
+    settled_below: int = -1
+    """The manager's watermark: ids of groups below it are not listed (all settled)."""
 
 
 def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -125,18 +130,26 @@ def _read_json(file: Path) -> object:
 
 def _trainer_state(file: Path, data: object) -> TrainerState:
     """``trainer.json``'s object as a TrainerState, every field of its type."""
-    fields = {"step": int, "version": int, "consumed": list, "seed": int}
+    fields = {"step": int, "version": int, "consumed": list, "seed": int,
+              "consumed_seqs": list, "settled_below": int}
     required = {"step", "version", "consumed"}
     if not isinstance(data, dict) or not required <= data.keys() <= fields.keys():
         raise LaminarError(f"checkpoint file {file}: expected an object with step, version, "
                            f"consumed (and seed), got {str(data)[:200]}")
     for name, kind in fields.items():
-        value = data.get(name, 0)
+        value = data.get(name, kind())
+        if name == "consumed_seqs" and value is None:
+            continue
         if not isinstance(value, kind) or isinstance(value, bool):
             raise LaminarError(f"checkpoint file {file}: {name} must be {kind.__name__}, "
                                f"got {value!r:.200}")
     if not all(isinstance(i, str) for i in data["consumed"]):
         raise LaminarError(f"checkpoint file {file}: consumed must list trajectory ids (strings)")
+    seqs = data.get("consumed_seqs")
+    if seqs is not None and (len(seqs) != len(data["consumed"]) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in seqs)):
+        raise LaminarError(f"checkpoint file {file}: consumed_seqs must list one group number "
+                           f"(an int) per consumed id")
     return TrainerState(**data)
 
 

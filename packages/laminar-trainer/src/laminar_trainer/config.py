@@ -152,6 +152,10 @@ class TrainerConfig(LaminarModel):
     """Publish weights every this many steps."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature the workers use (log-probs are computed at it)."""
+    max_rejections: int = Field(default=3, ge=1)
+    """A trajectory id whose copies fail content validation this many times is given
+    up on: its group trains without it and the manager records it as rejected (before
+    that, each rejected copy is generated again)."""
     wait_timeout_s: float = Field(default=600.0, gt=0)
     """Give up if no full step of data arrives for this long."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

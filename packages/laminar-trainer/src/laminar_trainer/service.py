@@ -37,16 +37,17 @@ from pathlib import Path
 import torch
 import yaml
 
-from laminar_common.codec import Ack, Trajectory
+from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
 from laminar_common.config import dump_config
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
+from laminar_common.status import StatusWriter
 from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
 
-from .buffer import Added, ExperienceBuffer, Group
+from .buffer import Added, ConsumedIds, ExperienceBuffer, Group
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
 from .distributed import Command, DistContext
@@ -54,6 +55,7 @@ from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
 from .step import StepResult, train_step
 from .tracking import MultiTracker, make_trackers
 from .training import Training, build_training, evaluate_records, restore_training
+from .validation import REASONS, Invalid, check_trajectory
 from .version import __version__
 
 __all__ = ["TrainerService"]
@@ -97,7 +99,18 @@ class TrainerService(Service):
         self._last_metrics: dict = {}
         self._acker: ZmqPushSender | None = None
         self._acker_key: tuple[str, float] | None = None
+        self._manager_rec: MemberRecord | None = None
+        """The newest manager record seen by the watch (acks never look it up in etcd)."""
         self._manager_changed = threading.Event()
+        self.status: StatusWriter | None = None
+        self._vocab_size: int | None = None
+        self.rejected: dict[str, int] = dict.fromkeys(REASONS, 0)
+        """Trajectories refused by content, by reason."""
+        self._reject_counts: dict[str, int] = {}
+        self._rejections_now: list[TrajectoryRejected] = []
+        self._rejections_durable: list[TrajectoryRejected] = []
+        self.nonfinite_steps = 0
+        self._last_checkpoint_step = 0
         self._unacked: list[str] = []
         self._reack: set[str] = set()
         self._reack_lock = threading.Lock()
@@ -123,6 +136,7 @@ class TrainerService(Service):
                                       yaml.safe_load(dump_config(cfg)))
         if self.coordinator is None:
             self.coordinator = make_coordinator(cfg.etcd, cfg.job)
+        self.status = StatusWriter(self.coordinator, "trainer status")
         if self.publish_fn is None:
             from laminar_common.auth import TlsFiles
             from laminar_common.relay_client import RelayClient
@@ -174,6 +188,14 @@ class TrainerService(Service):
             Metric("staleness_trajectories", "gauge", "consumed trajectories by staleness",
                    labels=("versions",),
                    values={(str(k),): v for k, v in sorted(b.staleness.items())}),
+            Metric("trajectories_rejected_total", "counter",
+                   "trajectories refused by content validation", labels=("reason",),
+                   values={(k,): v for k, v in self.rejected.items()}),
+            Metric("trajectories_failed_total", "counter",
+                   "trajectory ids given up on after max_rejections", b.failed),
+            Metric("nonfinite_steps_total", "counter",
+                   "steps whose loss or gradient was not finite (update skipped)",
+                   self.nonfinite_steps),
             Metric("publishes_total", "counter", "weight versions handed to the relay",
                    pub.published),
             Metric("publish_stall_seconds", "gauge", "stall of the last publish",
@@ -188,6 +210,8 @@ class TrainerService(Service):
         self.trackers.close()
         if self.metrics is not None:
             self.metrics.stop()
+        if self.status is not None:
+            self.status.close(timeout_s=2)
         if self.publisher is not None:
             self.publisher.close()
         if self.coordinator is not None:
@@ -213,25 +237,32 @@ class TrainerService(Service):
             t = self.training
             self.model, self.tokenizer, self.ref_model = t.model, t.tokenizer, t.ref_model
             self.optimizer, self.scheduler = t.optimizer, t.scheduler
+            self._vocab_size = int(self.model.get_input_embeddings().num_embeddings)
             state = restore_training(t, ckpt, self.dist)
         elif ckpt is not None:
             state = load_checkpoint(ckpt, None)
         if state is not None:
             self.step, self.version = state.step, state.version
-            self.buffer.consumed = set(state.consumed)
-            self._truncate_consumed_log(self.step)
+            self._last_checkpoint_step = state.step
+            self.buffer.consumed = ConsumedIds(state.consumed, state.consumed_seqs,
+                                               state.settled_below)
+            # The logs go back to the checkpoint with the weights: steps after it are
+            # trained again (by other ids, or the same ones re-sent) and logged again.
+            self._truncate_log("consumed.jsonl", self.step)
+            self._truncate_log("metrics.jsonl", self.step)
             log.info("resumed from %s: step %d, version %d, %d consumed ids", ckpt, self.step,
                      self.version, len(state.consumed))
         elif not self.resume:
             for name in ("consumed.jsonl", "metrics.jsonl"):
                 (self.run_dir / name).unlink(missing_ok=True)
 
-    def _truncate_consumed_log(self, step: int) -> None:
-        path = self.run_dir / "consumed.jsonl"
+    def _truncate_log(self, name: str, step: int) -> None:
+        """Keep the rows of ``run_dir/name`` up to ``step`` (rows without a step stay)."""
+        path = self.run_dir / name
         if not path.exists():
             return
         kept = [line for line in path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= step]
+                if line and json.loads(line).get("step", 0) <= step]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
@@ -260,14 +291,53 @@ class TrainerService(Service):
     def _receive_loop(self) -> None:
         while not self.stopping.is_set():
             msg = self.receiver.recv(timeout_s=0.1)
-            if msg is not None and self.buffer.add(msg) is Added.CONSUMED:
+            if msg is None:
+                continue
+            invalid = check_trajectory(msg, self._vocab_size, self.version)
+            if invalid is None and (msg.settled_below > msg.group_seq >= 0):
+                invalid = Invalid("bad-group", f"trajectory {msg.trajectory_id!r} from worker "
+                                  f"{msg.worker_id!r}: watermark {msg.settled_below} is past "
+                                  f"its own group {msg.group_seq}")
+            if invalid is not None:
+                self._reject(msg, invalid)
+                continue
+            added = self.buffer.add(msg)
+            if added is Added.CONSUMED:
                 # A copy of something trained already (its ack was lost with a
                 # manager, or it was generated twice): ack it again once durable.
                 with self._reack_lock:
                     self._reack.add(msg.trajectory_id)
+            elif added is Added.MISMATCH:
+                self._reject(msg, Invalid("group-mismatch", f"trajectory {msg.trajectory_id!r} "
+                                          f"from worker {msg.worker_id!r}: group_size "
+                                          f"{msg.group_size} differs from its group's"))
+            elif added is Added.FULL:
+                # Backpressure: not acked, so the worker pushes it again later.
+                log.debug("buffer full: %s refused (its worker re-sends it)", msg.trajectory_id)
+
+    def _reject(self, traj: Trajectory, invalid: Invalid) -> None:
+        """Refuse a trajectory by content: count and log it; the manager has it generated
+        again, or after ``max_rejections`` copies it is given up on (once durable)."""
+        self.rejected[invalid.reason] += 1
+        tid = traj.trajectory_id
+        n = self._reject_counts[tid] = self._reject_counts.get(tid, 0) + 1
+        final = n >= self.config.max_rejections
+        log.warning("rejected %s (copy %d of at most %d): %s", tid, n,
+                    self.config.max_rejections, invalid)
+        note = TrajectoryRejected(trajectory_id=tid, worker_id=traj.worker_id,
+                                  reason=str(invalid), final=final, trainer_step=self.step)
+        with self._reack_lock:
+            if final:
+                self._reject_counts.pop(tid, None)
+                self.buffer.fail(traj)
+                self._rejections_durable.append(note)
+            else:
+                self._rejections_now.append(note)
 
     def _train_loop(self) -> None:
         self._train_steps()
+        if self.stopping.is_set() and not self.finished.is_set() and self.failure is None:
+            self._final_checkpoint()
         # Only on a clean exit: after a failure mid-collective the followers cannot
         # read a command any more, and torchrun stops them when this rank exits.
         if self.dist is not None:
@@ -294,6 +364,15 @@ class TrainerService(Service):
             self._wait_s += waited
             self._one_step(groups, waited)
         self._finish()
+
+    def _final_checkpoint(self) -> None:
+        """Graceful stop (SIGTERM/SIGINT): checkpoint the steps since the last one and
+        ack them, so a resumed trainer starts where this one stopped."""
+        if not self.config.checkpoint.dir or self.step <= self._last_checkpoint_step:
+            return
+        log.info("stopping: a final checkpoint at step %d", self.step)
+        self.publisher.wait_idle(timeout_s=30)
+        self._checkpoint()
 
     def _one_step(self, groups: list[Group], waited: float) -> None:
         cfg = self.config
@@ -322,9 +401,13 @@ class TrainerService(Service):
             self.version += 1
             stall = self._publish()
         ids = [t.trajectory_id for t in trajs]
+        dropped = self.buffer.pop_dropped()  # too stale: consumed untrained, acked all the same
+        if result.stats.get("skipped_nonfinite"):
+            self.nonfinite_steps += 1
+            log.warning("step %d: non-finite loss or gradient; the update was skipped", self.step)
         self._tokens_consumed += result.tokens
-        self._log_consumed(ids)
-        self._unacked.extend(ids)
+        self._log_consumed(ids, dropped)
+        self._unacked.extend(ids + dropped)
         staleness = [consume_version - t.policy_version for t in trajs]
         elapsed = time.monotonic() - self._t_first_step
         metrics = {
@@ -340,6 +423,7 @@ class TrainerService(Service):
             self._checkpoint()
         elif not cfg.checkpoint.dir:
             self._ack()
+        self._flush_rejections()
         if cfg.eval.prompts and cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 \
                 and self.model is not None:
             metrics["eval_accuracy"] = self._evaluate()
@@ -353,18 +437,19 @@ class TrainerService(Service):
         print(f"STEP {self.step} v{self.version} reward={result.reward_mean:.3f}", flush=True)
 
     def _put_status(self, metrics: dict) -> None:
-        """A small snapshot for `laminar status` (once per step, never per trajectory)."""
+        """A small snapshot for `laminar status` (once per step, never per trajectory),
+        written in the background: a step never waits on etcd."""
         keep = ("step", "version", "reward_mean", "tokens_per_s", "staleness_mean",
                 "staleness_max", "buffer", "time")
-        try:
-            self.coordinator.put_state("trainer", json.dumps(
-                {k: metrics[k] for k in keep} | {"total_steps": self.config.total_steps}).encode())
-        except LaminarError as exc:
-            log.warning("could not write the status snapshot to etcd: %s", exc)
+        self.status.put("trainer", json.dumps(
+            {k: metrics[k] for k in keep} | {"total_steps": self.config.total_steps}).encode())
 
-    def _log_consumed(self, ids: list[str]) -> None:
+    def _log_consumed(self, ids: list[str], dropped: list[str] = ()) -> None:
+        row = {"step": self.step, "version": self.version, "ids": ids}
+        if dropped:
+            row["dropped"] = list(dropped)
         with open(self.run_dir / "consumed.jsonl", "a") as fh:
-            fh.write(json.dumps({"step": self.step, "version": self.version, "ids": ids}) + "\n")
+            fh.write(json.dumps(row) + "\n")
 
     def _write_metrics(self, metrics: dict) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
@@ -377,7 +462,11 @@ class TrainerService(Service):
 
     def _checkpoint(self) -> None:
         t0 = time.monotonic()
-        state = TrainerState(self.step, self.version, sorted(self.buffer.consumed), self.config.seed)
+        with self._reack_lock:  # the receive thread adds failed ids under this lock
+            kept, watermark = self.buffer.consumed_state()
+            durable = list(self._rejections_durable)
+        state = TrainerState(self.step, self.version, [i for i, _ in kept], self.config.seed,
+                             consumed_seqs=[q for _, q in kept], settled_below=watermark)
         full: dict[str, dict | None] = {"model_state": None, "optimizer_state": None}
         if self.model is not None and self.dist is not None:
             full["model_state"], full["optimizer_state"] = self.dist.gather_for_checkpoint(
@@ -385,10 +474,22 @@ class TrainerService(Service):
         save_checkpoint(self.config.checkpoint.dir, self.model, self.tokenizer, self.optimizer,
                         state, keep=self.config.checkpoint.keep, **full)
         log.info("checkpoint at step %d in %.2fs", self.step, time.monotonic() - t0)
-        self._ack()
+        self._last_checkpoint_step = self.step
+        self._ack(durable)
 
-    def _ack(self) -> None:
-        """Everything consumed is durable now (checkpointed, or no checkpoints): ack it."""
+    def _ack(self, durable: list[TrajectoryRejected] | None = None) -> None:
+        """Everything consumed is durable now (checkpointed, or no checkpoints): ack it,
+        with the final rejections that are durable (all of them without checkpoints)."""
+        with self._reack_lock:
+            if durable is None:
+                durable = list(self._rejections_durable)
+            self._rejections_durable = [r for r in self._rejections_durable
+                                        if r not in durable]
+        for i, note in enumerate(durable):
+            if not self._send_message(note):
+                with self._reack_lock:
+                    self._rejections_durable.extend(durable[i:])
+                break
         with self._reack_lock:
             reack, self._reack = self._reack, set()
         ids = self._unacked + sorted(reack - set(self._unacked))
@@ -398,12 +499,25 @@ class TrainerService(Service):
             with self._reack_lock:
                 self._reack |= reack
 
+    def _flush_rejections(self) -> None:
+        """Tell the manager now about copies to generate again (nothing durable in them)."""
+        with self._reack_lock:
+            notes, self._rejections_now = self._rejections_now, []
+        for i, note in enumerate(notes):
+            if not self._send_message(note):
+                with self._reack_lock:
+                    self._rejections_now[:0] = notes[i:]
+                return
+
     def _flush_reacks(self) -> None:
         """While waiting for data: ack again the copies whose first ack is durable."""
         now = time.monotonic()
         if now - self._last_reack < 1.0:
             return
         self._last_reack = now
+        self._flush_rejections()
+        if not self.config.checkpoint.dir:
+            self._ack()  # final rejections arrived while waiting: durable at once
         pending = set(self._unacked)
         with self._reack_lock:
             ready = sorted(self._reack - pending)
@@ -414,12 +528,19 @@ class TrainerService(Service):
 
     def _on_manager(self, event: MembershipEvent) -> None:
         rec = event.record
-        if event.kind == "put" and rec is not None and \
-                rec.incarnation != self._acker_key:
-            self._manager_changed.set()
+        if event.kind == "put" and rec is not None:
+            self._manager_rec = rec
+            if rec.incarnation != self._acker_key:
+                self._manager_changed.set()
 
     def _send_acks(self, ids: list[str]) -> bool:
         """Send durable acks to the manager; False (logged) if they must wait."""
+        return self._send_message(Ack(trajectory_ids=tuple(ids), trainer_step=self.step,
+                                      trainer_version=self.version), f"{len(ids)} acks")
+
+    def _send_message(self, msg: Ack | TrajectoryRejected, what: str = "a rejection") -> bool:
+        """Send to the manager's ack socket; False (logged) if it must wait. The manager's
+        address comes from the membership watch: this never waits on etcd."""
         if self._manager_changed.is_set():
             # A restarted manager: acks go to its new address (those sent to the
             # old one are lost; the copies it dispatches again are acked again).
@@ -427,16 +548,14 @@ class TrainerService(Service):
             self._manager_changed.clear()
             self._drop_acker()
         if self._acker is None:
-            managers = self.coordinator.members("manager")
-            if not managers:
-                log.warning("no manager registered: %d acks wait", len(ids))
+            rec = self._manager_rec
+            if rec is None:
+                log.warning("no manager registered: %s wait", what)
                 return False
-            rec = sorted(managers.values(), key=lambda r: r.member_id)[0]
             self._acker = ZmqPushSender(rec.extra["ack"], send_timeout_s=10, auth=self._curve)
             self._acker_key = rec.incarnation
         try:
-            self._acker.send(Ack(trajectory_ids=tuple(ids), trainer_step=self.step,
-                                 trainer_version=self.version))
+            self._acker.send(msg)
             return True
         except TransportError as exc:
             log.warning("acks to the manager failed (will retry, looking it up again): %s", exc)
@@ -492,6 +611,8 @@ class TrainerService(Service):
             "stall_mean_s": statistics.fmean(pub.stall_s) if pub.stall_s else 0.0,
             "send_mean_s": statistics.fmean(pub.send_s) if pub.send_s else 0.0,
             "buffer": vars(self.buffer.stats) | {"staleness": hist},
+            "rejected": {k: v for k, v in self.rejected.items() if v},
+            "nonfinite_steps": self.nonfinite_steps,
             "simulated_step": self.model is None, "run_dir": str(self.run_dir),
             "tracker_errors": self.trackers.errors,
         }

@@ -111,8 +111,16 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor: the norm over every shard
         grad_norm = grad_norm.full_tensor()
-    optimizer.step()
+    # A non-finite loss or gradient never reaches the weights: the update is skipped
+    # (every rank sees the same global norm and mean loss, so all skip together). The
+    # schedule still advances, so the learning rate stays tied to the step count.
+    finite = math.isfinite(loss_sum) and math.isfinite(float(grad_norm))
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
     scheduler.step()
+    stats_sum["skipped_nonfinite"] = 0.0 if finite else 1.0
     stats_sum["grad_norm"] = float(grad_norm)
     stats_sum["lr"] = scheduler.get_last_lr()[0]
     return StepResult(loss_sum, sum(t.reward for t in trajs_all) / len(trajs_all), total_tokens,
