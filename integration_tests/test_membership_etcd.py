@@ -84,8 +84,8 @@ def test_member_sink_rejects_bad_frames_and_counts_them(etcd, spawn):
     sender = ZmqPushSender(endpoint)
     other_version = bytearray(codec.encode(codec.Refused(reason="x")))
     other_version[5] = 77
-    for frame in (b"", b"garbage", codec.MAGIC + b"\x00\x01\xff\xff", bytes(other_version),
-                  codec.MAGIC + b"\x00\x01" + b"\x00" * (70 * 1024 * 1024)):
+    for frame in (b"", b"garbage", codec.MAGIC + codec.PROTOCOL_VERSION.to_bytes(2, "big") + b"\xff\xff", bytes(other_version),
+                  codec.MAGIC + codec.PROTOCOL_VERSION.to_bytes(2, "big") + b"\x00" * (70 * 1024 * 1024)):
         sender.send_frame(frame)
     sender.send(codec.Ack(trajectory_ids=("t",), trainer_step=1, trainer_version=1))
     line = member.wait_for_line(r"SINK received=1 kind=Ack rejected=(.*)", 60).group(1)

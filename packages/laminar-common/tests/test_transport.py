@@ -113,6 +113,25 @@ def test_message_before_hello_is_dropped_and_counted(server_and_client_factory):
     assert server.stats.rejected["no-hello"] == 1
 
 
+def test_a_forgotten_peer_is_told_to_say_hello_again(server_and_client_factory):
+    server, make_client = server_and_client_factory
+    client = make_client(_hello("w3"))
+    t = _serve(server, 1)
+    client.connect(timeout_s=5)
+    client.send(ACK)
+    assert client.recv(timeout_s=5) == ACK
+    t.join()
+    server.forget("w3")  # e.g. its lease expired while it was paused
+    client.send(ACK)
+    client.send(ACK)
+    assert server.recv(timeout_s=0.5) is None
+    reply = client.recv(timeout_s=5)
+    assert isinstance(reply, codec.Refused) and "say hello again" in reply.reason
+    # At most one Refused a second, however many frames it sends meanwhile.
+    assert client.recv(timeout_s=0.3) is None
+    assert server.stats.rejected["no-hello"] == 2
+
+
 def test_other_protocol_version_refused_with_clear_error(server_and_client_factory):
     server, make_client = server_and_client_factory
     client = make_client(_hello("old", version=codec.PROTOCOL_VERSION + 1))

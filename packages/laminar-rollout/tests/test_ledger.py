@@ -199,3 +199,64 @@ def test_restore_refuses_a_snapshot_that_does_not_fit():
     bad = {**snap, "states": {**snap["states"], ACKED: ["zz#0"]}}
     with pytest.raises(ValueError, match="trajectory of no group: 'zz#0'"):
         TrajectoryLedger.restored(bad, lambda pid: PromptRecord(pid, "x", {}), SAMPLING)
+
+
+def test_trainer_rejection_regenerates_or_fails_for_good():
+    led = _ledger(1, 2)
+    led.take_pending("w1", 0, 2)
+    assert led.mark_done("p0#0", "w1")
+    # A copy from another worker is stale; the known copy goes back to pending.
+    assert not led.trainer_rejected("p0#0", "w2", "bad", final=False)
+    assert led.trainer_rejected("p0#0", "w1", "bad", final=False)
+    assert led.entries["p0#0"].state == PENDING and led.counters.regenerated == 1
+    (task,) = led.take_pending("w2", 0, 5)
+    assert task.trajectory_id == "p0#0"
+    assert led.trainer_rejected("p0#0", "w2", "bad again", final=True)
+    assert led.entries["p0#0"].state == REJECTED
+    assert led.entries["p0#0"].reason == "trainer: bad again"
+    assert not led.trainer_rejected("p0#0", "w2", "x", final=True)  # final is final
+
+
+def _settle_all(led, worker="w1"):
+    for t in led.take_pending(worker, 0, 10_000):
+        led.mark_done(t.trajectory_id, worker)
+        led.mark_acked(t.trajectory_id)
+
+
+def test_watermark_moves_over_settled_groups_and_travels_with_tasks():
+    led = _ledger(3, 2)
+    assert led.settled_below == 0
+    tasks = {t.trajectory_id: t for t in led.take_pending("w1", 0, 10)}
+    assert [tasks[f"p{i}#0"].group_seq for i in range(3)] == [0, 1, 2]
+    for tid in ("p1#0", "p1#1"):  # group 1 settles first: the watermark waits for 0
+        led.mark_done(tid, "w1")
+        led.mark_acked(tid)
+    assert led.settled_below == 0
+    for tid in ("p0#0", "p0#1"):
+        led.mark_done(tid, "w1")
+        led.mark_acked(tid)
+    assert led.settled_below == 2
+    led.add_group(PromptRecord("p3", "x", {}), 2, SAMPLING)
+    (t,) = led.take_pending("w1", 0, 1)
+    assert t.trajectory_id == "p3#0" and t.group_seq == 3 and t.settled_below == 2
+
+
+def test_compaction_keeps_memory_flat_and_survives_a_restore():
+    led = TrajectoryLedger(keep_settled=5)
+    for i in range(200):
+        led.add_group(PromptRecord(f"p{i}", "x", {}), 2, SAMPLING)
+    _settle_all(led)
+    led.add_group(PromptRecord("tail", "x", {}), 2, SAMPLING)
+    assert led.settled_below == 200 and led.compacted_groups == 195
+    assert len(led.entries) == 5 * 2 + 2
+    assert led.counts()[ACKED] == 400 and led.created == 402
+    snap = led.snapshot()
+    assert snap["compacted"] == {"groups": 195, ACKED: 390}
+    records = {f"p{i}": PromptRecord(f"p{i}", "x", {}) for i in range(200)}
+    records["tail"] = PromptRecord("tail", "x", {})
+    back = TrajectoryLedger.restored(snap, records.get, SAMPLING, keep_settled=5)
+    assert back.settled_below == 200 and back.counts()[ACKED] == 400
+    (t, _) = back.take_pending("w9", 0, 2)
+    assert t.trajectory_id == "tail#0" and t.group_seq == 200 and t.settled_below == 200
+    # Reports and acks for compacted ids are stale, never a crash.
+    assert not back.mark_done("p3#0", "w1") and back.mark_acked("p3#0") is None

@@ -1,3 +1,4 @@
+import msgspec
 import pytest
 
 from laminar_common.codec import Trajectory
@@ -35,11 +36,67 @@ def test_take_hands_out_whole_groups_only():
     assert not buf.wait_ready(1, timeout_s=0.01)
 
 
-def test_capacity_refuses_and_counts():
+def test_capacity_refuses_new_groups_but_lets_buffered_groups_complete():
     buf = ExperienceBuffer(capacity=1)
     assert buf.add(traj("a", 0))
-    assert not buf.add(traj("a", 1))
+    assert buf.add(traj("b", 0)) is Added.FULL
     assert buf.stats.dropped_full == 1
+    # A member of a buffered group is taken even when full: partial groups alone
+    # would otherwise hold the buffer for good.
+    assert buf.add(traj("a", 1)) is Added.YES
+    assert [g.prompt_id for g in buf.take(1, 0)] == ["a"]
+    assert buf.add(traj("b", 0)) is Added.YES
+
+
+def test_group_size_mismatch_is_refused():
+    buf = ExperienceBuffer()
+    assert buf.add(traj("a", 0, n=2))
+    assert buf.add(traj("a", 1, n=3)) is Added.MISMATCH
+    assert buf.stats.mismatched == 1 and len(buf) == 1
+
+
+def test_failed_sample_completes_its_group_and_counts_as_consumed():
+    buf = ExperienceBuffer()
+    buf.add(traj("a", 0, n=3))
+    buf.fail(traj("a", 1, n=3))
+    assert buf.ready_groups() == 0
+    buf.add(traj("a", 2, n=3))
+    (g,) = buf.take(1, 0)
+    assert [t.sample_index for t in g.trajectories()] == [0, 2]
+    assert buf.add(traj("a", 1, n=3)) is Added.CONSUMED
+    # A group whose every sample failed completes empty and is never handed out.
+    buf.fail(traj("z", 0, n=1))
+    assert buf.take(5, 0) == [] and "z#0" in buf.consumed
+
+
+def test_stale_dropped_groups_wait_to_be_acked():
+    buf = ExperienceBuffer(policy="staleness", max_staleness=0)
+    buf.add(traj("old", 0, version=0, n=1))
+    assert buf.take(1, trainer_version=3) == []
+    assert buf.pop_dropped() == ["old#0"] and buf.pop_dropped() == []
+    assert "old#0" in buf.consumed
+
+
+def test_consumed_ids_stay_flat_below_the_watermark():
+    from laminar_trainer.buffer import ConsumedIds
+
+    buf = ExperienceBuffer()
+    for seq in range(1000):
+        t = msgspec.structs.replace(traj(f"p{seq}", 0, n=1), group_seq=seq,
+                                    settled_below=max(0, seq - 10))
+        assert buf.add(t)
+        assert len(buf.take(1, 0)) == 1
+    assert len(buf.consumed) <= 11, len(buf.consumed)
+    assert buf.consumed.watermark == 989
+    # Below the watermark: refused as consumed with no per-id record.
+    old = msgspec.structs.replace(traj("p5", 0, n=1), group_seq=5)
+    assert buf.add(old) is Added.CONSUMED
+    # Above it: by id. Unnumbered groups (-1) are kept by id and never compacted.
+    assert buf.add(msgspec.structs.replace(traj("p999", 0, n=1), group_seq=999)) \
+        is Added.CONSUMED
+    c = ConsumedIds(["x", "y"], [3, -1], watermark=2)
+    c.advance(10)
+    assert list(c) == ["y"] and c.covers("x", 3) and not c.covers("q", 12)
 
 
 def test_staleness_drop_and_downweight_and_record():

@@ -9,7 +9,11 @@ import time
 import pytest
 import torch
 
-from laminar_common.codec import Ack, Trajectory
+import math
+
+import msgspec
+
+from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
 from laminar_common.membership import (
     InMemoryCoordinator,
     InMemoryEtcd,
@@ -47,7 +51,7 @@ class Harness:
         self.store = InMemoryEtcd()
         self.published: list[int] = []
         self.manager_coord = InMemoryCoordinator(self.store, JOB)
-        self.acks = ZmqPullReceiver(expect=Ack)
+        self.acks = ZmqPullReceiver(expect=(Ack, TrajectoryRejected))
         self.manager_coord.register(MemberRecord(member_id="manager", role="manager",
                                                  address="tcp://unused:1",
                                                  extra={"ack": self.acks.endpoint}))
@@ -56,6 +60,7 @@ class Harness:
                                  checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 2},
                                  optim={"lr": 1e-3}, **overrides)
         self.acked: list[str] = []
+        self.rejections: list[TrajectoryRejected] = []
 
     def start(self, resume=False):
         svc = TrainerService(self.cfg, publish_fn=self._publish,
@@ -79,7 +84,9 @@ class Harness:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             msg = self.acks.recv(timeout_s=0.05)
-            if msg is not None:
+            if isinstance(msg, TrajectoryRejected):
+                self.rejections.append(msg)
+            elif msg is not None:
                 self.acked.extend(msg.trajectory_ids)
 
 
@@ -223,5 +230,78 @@ def test_copies_of_trained_ids_are_acked_again_once_durable_even_to_a_new_manage
         assert svc.buffer.stats.already_consumed == 6
         new_coord.close()
         new_acks.close()
+    finally:
+        svc.close()
+
+
+def _bad(t: Trajectory, **changes) -> Trajectory:
+    return msgspec.structs.replace(t, **changes)
+
+
+def test_bad_trajectories_are_rejected_by_reason_and_never_reach_the_weights(
+        tmp_path, model_dir):
+    """Decodable trajectories with wrong contents, against the real (tiny) model: each
+    is refused before the buffer, counted by reason, and reported to the manager; after
+    max_rejections copies of one id the group trains without it."""
+    h = Harness(tmp_path, model_dir, total_steps=2, max_rejections=2)
+    # Each bad copy below has its own id (x0, x1, ...): rejected once, generated again.
+    svc = h.start()
+    try:
+        vocab = svc.model.get_input_embeddings().num_embeddings
+        good = [t for p in "abcd" for t in _trajs(p)]
+        a0 = good[0]
+        bad = [
+            _bad(a0, behaviour_logprobs=a0.behaviour_logprobs[:-1]),   # length-mismatch
+            _bad(a0, prompt_token_ids=()),                            # empty-prompt
+            _bad(a0, response_token_ids=(12, vocab, 2)),              # token-out-of-range
+            _bad(a0, prompt_token_ids=(1, -5, 11)),                   # token-out-of-range
+            _bad(a0, reward=math.nan),                                # non-finite-reward
+            _bad(a0, behaviour_logprobs=(-1.0, math.inf, -1.0)),      # bad-logprob
+            _bad(a0, sample_index=7),                                 # bad-group
+            _bad(a0, policy_version=99),                              # bad-version
+        ]
+        bad = [_bad(t, trajectory_id=f"x{k}#0", prompt_id=f"x{k}") for k, t in enumerate(bad)]
+        h.send(svc, bad)
+        assert _wait(lambda: sum(svc.rejected.values()) == len(bad), 20), svc.rejected
+        assert svc.rejected["token-out-of-range"] == 2 and svc.rejected["empty-prompt"] == 1
+        assert svc.rejected["length-mismatch"] == svc.rejected["non-finite-reward"] == 1
+        assert svc.rejected["bad-logprob"] == svc.rejected["bad-group"] == 1
+        assert svc.rejected["bad-version"] == 1
+        assert len(svc.buffer) == 0, "something partial became visible"
+        # b#1 is broken twice (max_rejections=2): given up on, group b trains without it.
+        b1 = good[3]
+        h.send(svc, [_bad(b1, reward=math.inf)] * 2)
+        h.send(svc, [t for t in good if t.trajectory_id != "b#1"])
+        assert _wait(lambda: svc.finished.is_set(), 60)
+        h.drain_acks(1.0)
+        assert all(math.isfinite(float(p.abs().sum())) for p in svc.model.parameters())
+        lines = [json.loads(x) for x in (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
+        trained = [i for x in lines for i in x["ids"]]
+        assert sorted(trained) == ["a#0", "a#1", "b#0", "c#0", "c#1", "d#0", "d#1"]
+        notes = {(r.trajectory_id, r.final) for r in h.rejections}
+        assert ("x0#0", False) in notes and ("b#1", False) in notes and \
+            ("b#1", True) in notes, notes
+        assert svc.buffer.stats.failed == 1
+        # A later good copy of the given-up id is refused as consumed, never trained.
+        assert "b#1" in svc.buffer.consumed
+    finally:
+        svc.close()
+
+
+def test_a_non_finite_step_leaves_the_weights_alone(tmp_path, model_dir):
+    from laminar_trainer.buffer import Group
+    from laminar_trainer.step import train_step
+
+    h = Harness(tmp_path, model_dir, total_steps=1)
+    svc = h.start()
+    try:
+        before = {k: v.clone() for k, v in svc.model.state_dict().items()}
+        trajs = _trajs("n")
+        trajs[0] = _bad(trajs[0], reward=math.nan)  # past the door, as if it slipped by
+        group = Group("n", 2, {t.sample_index: t for t in trajs})
+        result = train_step(svc.model, svc.optimizer, svc.scheduler, [group], svc.config)
+        assert result.stats["skipped_nonfinite"] == 1.0
+        for k, v in svc.model.state_dict().items():
+            assert torch.equal(v, before[k]), k
     finally:
         svc.close()

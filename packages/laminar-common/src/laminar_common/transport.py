@@ -149,6 +149,10 @@ class Server(abc.ABC):
     def send(self, peer_id: str, msg: Message) -> None: ...
 
     @abc.abstractmethod
+    def forget(self, peer_id: str) -> None:
+        """Drop a peer: its next frames are refused until it says hello again."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 
@@ -591,6 +595,10 @@ class InprocServer(Server):
             raise TransportError(f"peer {peer_id!r} has not said hello to {self.endpoint}")
         self._attach(peer_id).put(codec.encode(msg))
         self.stats.sent += 1
+
+    def forget(self, peer_id: str) -> None:
+        """Drop a peer (it must say hello again)."""
+        self.peers.pop(peer_id, None)
 
     def close(self) -> None:
         self._hub.unbind(self.endpoint)

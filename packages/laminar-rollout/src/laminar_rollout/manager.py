@@ -120,6 +120,7 @@ class ManagerService(Service):
         self._migrations: dict[str, tuple[str, float]] = {}
         self._recoveries: list[Recovery] = []
         self._last_repack = time.monotonic()
+        self._last_expiry_check = time.monotonic()
         self._last_state_write = 0.0
         self._last_log = 0.0
         self._last_ledger_log = 0.0
@@ -255,8 +256,10 @@ class ManagerService(Service):
     def _handle(self, peer: str, msg: codec.Message) -> None:
         if isinstance(msg, codec.Hello):
             if peer in self.workers:
-                # A restarted worker with the same id: whatever it held is gone.
-                self._worker_lost(peer, "reconnected")
+                # A restarted worker with the same id: whatever it held is gone. (The
+                # socket keeps the hello it just accepted: forgetting it would refuse
+                # the new incarnation's reports.)
+                self._worker_lost(peer, "reconnected", forget=False)
             self.workers[peer] = WorkerState(peer, capacity=msg.capacity)
             log.info("worker %s joined (capacity %d)", peer, msg.capacity)
             return
@@ -336,13 +339,24 @@ class ManagerService(Service):
 
     def _expire_silent_workers(self) -> None:
         now = time.monotonic()
+        gap, self._last_expiry_check = now - self._last_expiry_check, now
+        if gap > 1.0:
+            # This loop itself did not run (the manager was paused or starved): the
+            # workers were not silent, we were not listening. Their queued messages
+            # arrive over the next moments, so count their silence from now.
+            for w in self.workers.values():
+                w.last_seen = max(w.last_seen, now)
+            log.warning("the manager's loop stalled for %.1fs; not counting it as worker "
+                        "silence", gap)
+            return
         for wid, w in list(self.workers.items()):
             if now - w.last_seen > self.config.worker_timeout_s:
                 self._worker_lost(wid, f"silent for {now - w.last_seen:.1f}s")
 
-    def _worker_lost(self, worker_id: str, why: str) -> None:
+    def _worker_lost(self, worker_id: str, why: str, forget: bool = True) -> None:
         w = self.workers.pop(worker_id, None)
-        self.server.forget(worker_id)
+        if forget:
+            self.server.forget(worker_id)
         resumable, again = self.ledger.worker_lost(worker_id)
         self.ledger.restart_unresumable({w.version for w in self.workers.values()})
         self.stats.workers_lost += 1

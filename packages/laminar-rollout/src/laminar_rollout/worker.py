@@ -190,6 +190,18 @@ class WorkerService(Service):
             Metric("kv_used_tokens", "gauge", "KV-cache tokens in use", load.kv_used_tokens),
             Metric("outbox_trajectories", "gauge", "pushed but not yet durably acked",
                    len(self.outbox)),
+            Metric("rejoins_total", "counter",
+                   "hellos again after the manager forgot this worker (lease lost while paused)",
+                   c["rejoins"]),
+            Metric("manager_switches_total", "counter", "new manager incarnations followed",
+                   c["manager_switches"]),
+            Metric("trainer_switches_total", "counter",
+                   "trainer incarnations seen (each gets the whole outbox again)",
+                   c["trainer_switches"]),
+            Metric("resent_total", "counter", "pushes repeated because no ack came in time",
+                   c["resent"]),
+            Metric("push_failed_total", "counter", "pushes to the trainer that failed",
+                   c["push_failed"]),
         ]
 
     def stats(self) -> dict:

@@ -5,6 +5,11 @@ was already consumed), group completion (a group is ready when all
 ``group_size`` samples of a prompt arrived), the bound on what it holds, the
 sampling policy, and the staleness record of every consumed trajectory.
 
+Capacity (``capacity`` trajectories) is backpressure, not loss: a refused
+trajectory is not acked, so its worker pushes it again later. Only trajectories
+that would open a new group are refused; members of groups already buffered are
+taken (partial groups alone must never fill the buffer for good).
+
 Sampling policies (``policy``):
 
 - ``fifo``: oldest complete groups first, whatever their staleness.
@@ -183,7 +188,10 @@ class ExperienceBuffer:
             if group is not None and traj.sample_index in group.members:
                 self.stats.duplicates += 1
                 return Added.DUPLICATE
-            if self._size >= self.capacity:
+            if self._size >= self.capacity and group is None:
+                # Full refuses only a trajectory that would open a new group: members of
+                # buffered groups still come in (at most group_size - 1 each), or groups
+                # that are all partial would fill the buffer and never complete.
                 self.stats.dropped_full += 1
                 return Added.FULL
             if group is None:
@@ -201,12 +209,14 @@ class ExperienceBuffer:
         completes without it."""
         with self._cond:
             self.consumed.add(traj.trajectory_id, traj.group_seq)
-            group = self._groups.get(traj.prompt_id)
-            if group is None:
-                group = self._groups[traj.prompt_id] = Group(traj.prompt_id,
-                                                             max(1, traj.group_size))
-            group.failed.add(traj.sample_index)
             self.stats.failed += 1
+            group = self._groups.get(traj.prompt_id)
+            if not 0 <= traj.sample_index < traj.group_size or \
+                    (group is not None and group.group_size != traj.group_size):
+                return  # its group fields are what is wrong: they say nothing of a group
+            if group is None:
+                group = self._groups[traj.prompt_id] = Group(traj.prompt_id, traj.group_size)
+            group.failed.add(traj.sample_index)
             if group.complete:
                 self._cond.notify_all()
 

@@ -23,7 +23,9 @@ class BufferConfig(LaminarModel):
     """The experience buffer."""
 
     capacity: int = Field(default=8192, ge=1)
-    """Most trajectories held; beyond it new ones are refused (workers re-send later)."""
+    """Most trajectories held; beyond it trajectories of new groups are refused (not
+    acked: workers push them again after resend_after_s), members of buffered groups
+    are still taken so that partial groups can complete."""
     policy: Literal["fifo", "staleness"] = "fifo"
     """fifo: oldest complete groups first; staleness: also bound staleness."""
     max_staleness: int = Field(default=4, ge=0)

@@ -213,7 +213,9 @@ class TrainerService(Service):
         if self.status is not None:
             self.status.close(timeout_s=2)
         if self.publisher is not None:
-            self.publisher.close()
+            # A publish in flight is given a moment, not its whole retry budget: with no
+            # relay reachable a stop must not hang (the next trainer publishes anew).
+            self.publisher.close(timeout_s=5)
         if self.coordinator is not None:
             self.coordinator.close()
         if self.receiver is not None:
@@ -313,7 +315,10 @@ class TrainerService(Service):
                                           f"{msg.group_size} differs from its group's"))
             elif added is Added.FULL:
                 # Backpressure: not acked, so the worker pushes it again later.
-                log.debug("buffer full: %s refused (its worker re-sends it)", msg.trajectory_id)
+                n = self.buffer.stats.dropped_full
+                if n == 1 or n % 100 == 0:
+                    log.info("buffer full (%d refused so far): %s refused; its worker pushes "
+                             "it again", n, msg.trajectory_id)
 
     def _reject(self, traj: Trajectory, invalid: Invalid) -> None:
         """Refuse a trajectory by content: count and log it; the manager has it generated
@@ -363,6 +368,8 @@ class TrainerService(Service):
                 continue
             self._wait_s += waited
             self._one_step(groups, waited)
+        if self.step < cfg.total_steps:  # stopped early (a signal): no summary, no DONE
+            return
         self._finish()
 
     def _final_checkpoint(self) -> None:
@@ -371,7 +378,6 @@ class TrainerService(Service):
         if not self.config.checkpoint.dir or self.step <= self._last_checkpoint_step:
             return
         log.info("stopping: a final checkpoint at step %d", self.step)
-        self.publisher.wait_idle(timeout_s=30)
         self._checkpoint()
 
     def _one_step(self, groups: list[Group], waited: float) -> None:
