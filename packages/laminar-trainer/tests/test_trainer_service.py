@@ -4,14 +4,12 @@ random model, hand-made trajectories; publishing goes to a recording stand-in.""
 from __future__ import annotations
 
 import json
+import math
 import time
 
+import msgspec
 import pytest
 import torch
-
-import math
-
-import msgspec
 
 from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
 from laminar_common.membership import (
