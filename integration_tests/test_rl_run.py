@@ -218,3 +218,75 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_bad_trajectories_against_the_real_model_are_refused_counted_and_regenerated(
+        etcd, spawn, tmp_path, warm):
+    """Well-formed but wrong trajectories pushed to a real trainer (the warm-started
+    model) in the real stack: each is refused at the door and counted by reason; an
+    id broken max_rejections times is given up on (its group trains without it, the
+    manager records it as rejected); no step crashes and the weights stay finite;
+    everything else is trained exactly once."""
+    from laminar_common.codec import Trajectory
+    from laminar_common.transport import ZmqPushSender
+
+    job = "rl-hostile"
+    run_dir, ckpt, state_dir = tmp_path / "trainer", tmp_path / "ckpt", tmp_path / "manager"
+    manager, worker = _rollout_tiers(etcd, spawn, job, warm, state_dir)
+    total_steps = 6
+    trainer = spawn("trainer", "laminar_trainer.cli", "run", *_common(etcd, job),
+                    "--set", "trainer_id=trainer", "--set", f"model_dir={warm / 'model'}",
+                    "--set", "batch_groups=4", "--set", f"total_steps={total_steps}",
+                    "--set", f"run_dir={run_dir}", "--set", f"checkpoint.dir={ckpt}",
+                    "--set", "checkpoint.every_steps=2", "--set", "max_rejections=3")
+    address = trainer.wait_for_line(r"TRAINER READY (\S+)", 120).group(1)
+    prompts = [json.loads(x)["id"] for x in (warm / "train.jsonl").read_text().splitlines()]
+    vocab = json.loads((warm / "model" / "config.json").read_text())["vocab_size"]
+
+    def bad(prompt: str, sample: int, **wrong) -> Trajectory:
+        fields = dict(trajectory_id=f"{prompt}#{sample}", prompt_id=prompt, group_size=4,
+                      sample_index=sample, worker_id="hostile", policy_version=0,
+                      prompt_token_ids=(1, 5, 6), response_token_ids=(7, 8, 2),
+                      behaviour_logprobs=(-1.0, -1.0, -1.0), reward=1.0, finish_reason="stop")
+        return Trajectory(**(fields | wrong))
+
+    late = prompts[12]  # dispatched steps from now: the bad copies arrive first
+    cases = [
+        bad(late, 0, behaviour_logprobs=(-1.0,)),               # fewer log-probs than tokens
+        bad(late, 1, prompt_token_ids=()),                      # empty prompt
+        bad(late, 2, response_token_ids=(7, vocab + 3, 2)),     # id >= the vocabulary
+        bad(late, 3, response_token_ids=(7, -1, 2)),            # negative id
+        bad(prompts[13], 0, reward=float("nan")),               # NaN reward
+        bad(prompts[13], 1, behaviour_logprobs=(-1.0, float("nan"), -1.0)),
+    ]
+    doomed = bad(prompts[14], 2, reward=float("inf"))
+    sender = ZmqPushSender(address)
+    for traj in [*cases, doomed, doomed, doomed]:
+        sender.send(traj)
+    sender.close()
+
+    trainer.wait_for_line(r"TRAINER DONE", 600)
+    assert trainer.proc.wait(60) == 0, "a bad trajectory crashed the trainer"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(f"rejected by reason: {summary['rejected']}")
+    assert summary["rejected"] == {"length-mismatch": 1, "empty-prompt": 1,
+                                   "token-out-of-range": 2, "non-finite-reward": 4,
+                                   "bad-logprob": 1}
+    assert summary["buffer"]["failed"] == 1
+    assert summary["nonfinite_steps"] == 0
+    weights = load_file(str(ckpt / f"step-{total_steps:08d}" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values()), "NaN in the weights"
+    consumed = _consumed(run_dir)
+    assert len(consumed) == len(set(consumed))
+    assert doomed.trajectory_id not in consumed
+    # Bad copies of ids the worker then generated for real did not stop those ids:
+    # once their group was trained, it was trained whole.
+    late_ids = {f"{late}#{i}" for i in range(4)}
+    assert late_ids <= set(consumed) or not late_ids & set(consumed)
+    assert summary["buffer"]["received"] > len(consumed)
+    manager.stop()
+    state = json.loads((state_dir / "manager_state.json").read_text())
+    states = state["ledger"]["states"]
+    assert doomed.trajectory_id in states["rejected"]
+    assert set(states["acked"]) == set(consumed)
+    assert state["summary"]["trainer_rejections"] >= 1

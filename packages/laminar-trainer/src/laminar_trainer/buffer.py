@@ -60,6 +60,9 @@ class ConsumedIds:
                  watermark: int = -1) -> None:
         self.watermark = watermark
         self._recent: dict[str, int] = {}
+        self.failed: dict[str, str] = {}
+        """Ids given up on (never trained), with why: a later copy of one is answered
+        with its rejection again, never with an ack."""
         self._heap: list[tuple[int, str]] = []
         ids = list(ids)
         for tid, seq in zip(ids, seqs if seqs is not None else [-1] * len(ids), strict=True):
@@ -84,6 +87,7 @@ class ConsumedIds:
         while self._heap and self._heap[0][0] < settled_below:
             _, tid = heapq.heappop(self._heap)
             self._recent.pop(tid, None)
+            self.failed.pop(tid, None)  # settled at the manager: rejected for good
 
     def items(self) -> list[tuple[str, int]]:
         """``(id, group_seq)`` of every id kept, sorted by id (for checkpoints)."""
@@ -204,15 +208,36 @@ class ExperienceBuffer:
                 self._cond.notify_all()
             return Added.YES
 
-    def fail(self, traj: Trajectory) -> None:
+    def known(self, traj: Trajectory) -> Added | None:
+        """CONSUMED or DUPLICATE if a copy of ``traj``'s id was consumed or is buffered
+        (counted as :meth:`add` would), else None. The trainer asks before validating, so
+        a broken copy of an id it already holds never counts against that id."""
+        with self._cond:
+            self.consumed.advance(traj.settled_below)
+            if self.consumed.covers(traj.trajectory_id, traj.group_seq):
+                self.stats.received += 1
+                self.stats.already_consumed += 1
+                return Added.CONSUMED
+            group = self._groups.get(traj.prompt_id)
+            held = group.members.get(traj.sample_index) if group is not None else None
+            if held is not None and held.trajectory_id == traj.trajectory_id:
+                self.stats.received += 1
+                self.stats.duplicates += 1
+                return Added.DUPLICATE
+            return None
+
+    def fail(self, traj: Trajectory, reason: str = "") -> None:
         """Give up on ``traj``'s sample: consumed (never trained), and its group
         completes without it."""
         with self._cond:
             self.consumed.add(traj.trajectory_id, traj.group_seq)
+            if traj.trajectory_id in self.consumed:
+                self.consumed.failed[traj.trajectory_id] = reason
             self.stats.failed += 1
             group = self._groups.get(traj.prompt_id)
             if not 0 <= traj.sample_index < traj.group_size or \
-                    (group is not None and group.group_size != traj.group_size):
+                    (group is not None and (group.group_size != traj.group_size
+                                            or traj.sample_index in group.members)):
                 return  # its group fields are what is wrong: they say nothing of a group
             if group is None:
                 group = self._groups[traj.prompt_id] = Group(traj.prompt_id, traj.group_size)
@@ -220,10 +245,10 @@ class ExperienceBuffer:
             if group.complete:
                 self._cond.notify_all()
 
-    def consumed_state(self) -> tuple[list[tuple[str, int]], int]:
-        """``(consumed.items(), watermark)`` read under the lock (for a checkpoint)."""
+    def consumed_state(self) -> tuple[list[tuple[str, int]], int, dict[str, str]]:
+        """``(consumed.items(), watermark, failed)`` read under the lock (for a checkpoint)."""
         with self._cond:
-            return self.consumed.items(), self.consumed.watermark
+            return self.consumed.items(), self.consumed.watermark, dict(self.consumed.failed)
 
     def pop_dropped(self) -> list[str]:
         """Ids consumed without training (stale groups) since the last call."""

@@ -42,6 +42,8 @@ class TrainerState:
     """Group number of each id in ``consumed`` (same order); None in old checkpoints."""
     settled_below: int = -1
     """The manager's watermark: ids of groups below it are not listed (all settled)."""
+    failed: dict[str, str] | None = None
+    """Consumed ids that were given up on (rejected too often), with the reason."""
 
 
 def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -131,14 +133,14 @@ def _read_json(file: Path) -> object:
 def _trainer_state(file: Path, data: object) -> TrainerState:
     """``trainer.json``'s object as a TrainerState, every field of its type."""
     fields = {"step": int, "version": int, "consumed": list, "seed": int,
-              "consumed_seqs": list, "settled_below": int}
+              "consumed_seqs": list, "settled_below": int, "failed": dict}
     required = {"step", "version", "consumed"}
     if not isinstance(data, dict) or not required <= data.keys() <= fields.keys():
         raise LaminarError(f"checkpoint file {file}: expected an object with step, version, "
                            f"consumed (and seed), got {str(data)[:200]}")
     for name, kind in fields.items():
         value = data.get(name, kind())
-        if name == "consumed_seqs" and value is None:
+        if name in ("consumed_seqs", "failed") and value is None:
             continue
         if not isinstance(value, kind) or isinstance(value, bool):
             raise LaminarError(f"checkpoint file {file}: {name} must be {kind.__name__}, "
@@ -150,6 +152,9 @@ def _trainer_state(file: Path, data: object) -> TrainerState:
             isinstance(i, int) and not isinstance(i, bool) for i in seqs)):
         raise LaminarError(f"checkpoint file {file}: consumed_seqs must list one group number "
                            f"(an int) per consumed id")
+    failed = data.get("failed") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in failed.items()):
+        raise LaminarError(f"checkpoint file {file}: failed must map trajectory ids to reasons")
     return TrainerState(**data)
 
 

@@ -248,6 +248,7 @@ class TrainerService(Service):
             self._last_checkpoint_step = state.step
             self.buffer.consumed = ConsumedIds(state.consumed, state.consumed_seqs,
                                                state.settled_below)
+            self.buffer.consumed.failed.update(state.failed or {})
             # The logs go back to the checkpoint with the weights: steps after it are
             # trained again (by other ids, or the same ones re-sent) and logged again.
             self._truncate_log("consumed.jsonl", self.step)
@@ -295,6 +296,23 @@ class TrainerService(Service):
             msg = self.receiver.recv(timeout_s=0.1)
             if msg is None:
                 continue
+            known = self.buffer.known(msg)
+            if known is Added.CONSUMED:
+                failed = self.buffer.consumed.failed.get(msg.trajectory_id)
+                with self._reack_lock:
+                    if failed is not None:
+                        # Given up on before this copy came: say so again (the first
+                        # notice may have found no ledger entry yet), never ack it.
+                        self._rejections_durable.append(TrajectoryRejected(
+                            trajectory_id=msg.trajectory_id, worker_id=msg.worker_id,
+                            reason=failed, final=True, trainer_step=self.step))
+                    else:
+                        # A copy of something trained already (its ack was lost with a
+                        # manager, or it was generated twice): ack it again once durable.
+                        self._reack.add(msg.trajectory_id)
+                continue
+            if known is Added.DUPLICATE:
+                continue
             invalid = check_trajectory(msg, self._vocab_size, self.version)
             if invalid is None and (msg.settled_below > msg.group_seq >= 0):
                 invalid = Invalid("bad-group", f"trajectory {msg.trajectory_id!r} from worker "
@@ -334,7 +352,7 @@ class TrainerService(Service):
         with self._reack_lock:
             if final:
                 self._reject_counts.pop(tid, None)
-                self.buffer.fail(traj)
+                self.buffer.fail(traj, str(invalid))
                 self._rejections_durable.append(note)
             else:
                 self._rejections_now.append(note)
@@ -469,10 +487,11 @@ class TrainerService(Service):
     def _checkpoint(self) -> None:
         t0 = time.monotonic()
         with self._reack_lock:  # the receive thread adds failed ids under this lock
-            kept, watermark = self.buffer.consumed_state()
+            kept, watermark, failed = self.buffer.consumed_state()
             durable = list(self._rejections_durable)
         state = TrainerState(self.step, self.version, [i for i, _ in kept], self.config.seed,
-                             consumed_seqs=[q for _, q in kept], settled_below=watermark)
+                             consumed_seqs=[q for _, q in kept], settled_below=watermark,
+                             failed=failed)
         full: dict[str, dict | None] = {"model_state": None, "optimizer_state": None}
         if self.model is not None and self.dist is not None:
             full["model_state"], full["optimizer_state"] = self.dist.gather_for_checkpoint(
