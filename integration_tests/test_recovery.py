@@ -255,3 +255,48 @@ def test_full_buffer_and_stale_drops_lose_nothing(etcd, spawn, tmp_path):
         f"p{i}#{k}" for i in range(n_prompts) for k in range(2)}
     log = Path(trainer.log_path).read_text()
     assert "buffer full (1 refused so far)" in log, "the buffer never filled"
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_chaos_soak_short_run_keeps_exactly_once(tmp_path):
+    """tools/chaos.py itself, briefly: faults every few seconds on the real stack
+    (simulated engine and step), then its exactly-once check from the trainer's
+    consumed log and the manager's ledger."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "chaos"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "chaos.py"), "--minutes", "0.75",
+                           "--interval-s", "8", "--seed", "7", "--workers", "2", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "chaos_result.json").read_text())
+    run = result["runs"]["chaos"]
+    assert result["exactly_once"] is True and run["exactly_once"]["holds"]
+    assert len(run["faults"]) >= 3, run["faults"]
+    assert run["exactly_once"]["consumed"] > 0 and run["exactly_once"]["duplicated"] == 0
+
+
+def test_exactly_once_state_stays_flat(tmp_path):
+    """tools/bench_exactly_once.py: 10x the trajectories leaves the trainer's compacted
+    checkpoint the same size, while the unbounded one grows with the run."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench_exactly_once.py"),
+                           "--points", "3000", "30000", "--in-flight", "64",
+                           "--keep-groups", "128"],
+                          capture_output=True, text=True, timeout=300, check=True)
+    print(proc.stdout)
+    rows = {}
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 6 and parts[0] in ("manager", "trainer"):
+            rows[parts[0], int(parts[1].replace(",", "")), parts[2]] = float(parts[4])
+    assert rows["trainer", 30000, "compacted"] <= 2 * rows["trainer", 3000, "compacted"]
+    assert rows["trainer", 30000, "unbounded"] >= 8 * rows["trainer", 3000, "unbounded"]
+    assert rows["manager", 30000, "compacted"] <= 1.5 * rows["manager", 3000, "compacted"]
+    assert rows["manager", 30000, "unbounded"] >= 8 * rows["manager", 3000, "unbounded"]

@@ -261,3 +261,37 @@ def test_sigkill_of_the_master_elects_another_and_the_next_publish_succeeds(clus
     assert c.wait_chain(live)[0] == result.master_id
     c.wait_version(2, live)
     c.assert_identical(2, live)
+
+
+def test_a_paused_master_is_left_behind_then_rejoins_the_chain(cluster):
+    """SIGSTOP of the master past its lease (a pause, not a death): the next publish
+    moves to the newly elected master without waiting for the old one to wake; once
+    it wakes it registers again, is taken back into the chain, and gets new versions."""
+    import os
+    import signal
+
+    c = cluster()
+    names = ["s0", "s1", "s2"]
+    for name in names:
+        c.start(name)
+    master = c.wait_chain(names)[0]
+    c.client.publish(1, tensors_for(1))
+    c.wait_version(1, names)
+    os.kill(c.procs[master].pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        result = c.client.publish(2, tensors_for(2))
+        took = time.monotonic() - t0
+        print(f"publish with the master paused took {took:.2f}s (TTL {TTL}s)")
+        assert result.master_id != master
+        # Lease expiry (TTL) + election, not the client's 5 s rpc timeout on the paused one.
+        assert took < 2 * TTL + 0.5, "the publish waited for the paused master"
+        live = [n for n in names if n != master]
+        c.wait_version(2, live)
+    finally:
+        os.kill(c.procs[master].pid, signal.SIGCONT)
+    # Healed: the old master is a chain member again and receives the next version.
+    c.wait_chain(names, timeout_s=30)
+    c.client.publish(3, tensors_for(3))
+    c.wait_version(3, names)
+    c.assert_identical(3, names)

@@ -50,7 +50,8 @@ def _run_manager(args: argparse.Namespace, out: Path) -> list[dict]:
     from laminar_rollout.ledger import TrajectoryLedger
     from laminar_rollout.prompts import PromptRecord
 
-    keep = ManagerConfig.model_fields["ledger_keep_groups"].default \
+    keep = (args.keep_groups if args.keep_groups is not None else
+            ManagerConfig.model_fields["ledger_keep_groups"].default) \
         if args.mode == "compacted" else None
     ledger = TrajectoryLedger(keep)
     sampling = SamplingSpec(max_tokens=64)
@@ -126,6 +127,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-groups", type=int, default=32, help="groups a trainer step takes")
     p.add_argument("--in-flight", type=int, default=256,
                    help="groups between the newest and the watermark (the run-ahead window)")
+    p.add_argument("--keep-groups", type=int, default=None,
+                   help="the manager's ledger_keep_groups (default: ManagerConfig's)")
     p.add_argument("--role", choices=("manager", "trainer"), help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=("compacted", "unbounded"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -156,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                        str(out), "--group-size", str(args.group_size), "--batch-groups",
                        str(args.batch_groups), "--in-flight", str(args.in_flight),
                        "--points", *map(str, args.points)]
+                if args.keep_groups is not None:
+                    cmd += ["--keep-groups", str(args.keep_groups)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=True,
                                       env=dict(os.environ, PYTHONHASHSEED="0"))
                 results[role, mode] = json.loads(proc.stdout.strip().splitlines()[-1])

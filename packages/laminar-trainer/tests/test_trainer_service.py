@@ -256,6 +256,7 @@ def test_bad_trajectories_are_rejected_by_reason_and_never_reach_the_weights(
             _bad(a0, reward=math.nan),                                # non-finite-reward
             _bad(a0, behaviour_logprobs=(-1.0, math.inf, -1.0)),      # bad-logprob
             _bad(a0, sample_index=7),                                 # bad-group
+            _bad(a0, group_seq=3, settled_below=5),                   # bad-group: watermark
             _bad(a0, policy_version=99),                              # bad-version
         ]
         bad = [_bad(t, trajectory_id=f"x{k}#0", prompt_id=f"x{k}") for k, t in enumerate(bad)]
@@ -263,7 +264,8 @@ def test_bad_trajectories_are_rejected_by_reason_and_never_reach_the_weights(
         assert _wait(lambda: sum(svc.rejected.values()) == len(bad), 20), svc.rejected
         assert svc.rejected["token-out-of-range"] == 2 and svc.rejected["empty-prompt"] == 1
         assert svc.rejected["length-mismatch"] == svc.rejected["non-finite-reward"] == 1
-        assert svc.rejected["bad-logprob"] == svc.rejected["bad-group"] == 1
+        assert svc.rejected["bad-logprob"] == 1 and svc.rejected["bad-group"] == 2
+        assert svc.buffer.consumed.watermark == -1, "a rejected watermark was believed"
         assert svc.rejected["bad-version"] == 1
         assert len(svc.buffer) == 0, "something partial became visible"
         # b#1 is broken twice (max_rejections=2): given up on, group b trains without it.

@@ -199,6 +199,10 @@ class _Backoff:
         return random.uniform(delay / 2, delay)
 
 
+class _MasterChanged(TransportError):
+    """The relay a publish was talking to is no longer the master (it stopped answering)."""
+
+
 class RelayClient:
     """Publishes to and fetches from the relay tier of one job.
 
@@ -287,6 +291,31 @@ class RelayClient:
             return method(request, timeout=max(0.1, timeout), metadata=protocol_metadata())
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, what) from exc
+
+    def _call_while_master(self, method: Any, request: Any, what: str, timeout: float,
+                           relay: RelayRef) -> Any:
+        """A call to the master that may take long (a commit waits for every chunk), given
+        up as soon as another relay wins the election: a master that is paused (SIGSTOP,
+        a GC or network pause) loses its lease, and the publish moves on to the new one
+        instead of waiting for the old one to wake."""
+        if self._coord is None:
+            return self._call(method, request, what, timeout)
+        call = method.future(request, timeout=max(0.1, timeout), metadata=protocol_metadata())
+        while True:
+            try:
+                return call.result(timeout=0.5)
+            except grpc.FutureTimeoutError:
+                pass
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, what) from exc
+            try:
+                leader = self._coord.leader(MASTER_ELECTION)
+            except CoordinationError:
+                continue  # cannot tell from here: keep waiting for the master's answer
+            if leader is not None and leader != relay.member_id:
+                call.cancel()
+                raise _MasterChanged(f"{what}: relay {leader!r} won the master election while "
+                                     f"{relay.member_id!r} was not answering")
 
     def _sender(self, endpoint: str) -> ChunkSender:
         sender = self._senders.get(endpoint)
@@ -485,7 +514,7 @@ class RelayClient:
             f"publish of weight version {layout.version} to relay {relay.member_id} "
             f"({relay.address})"
         )
-        begin = self._call(
+        begin = self._call_while_master(
             stub.BeginPublish,
             relay_pb2.BeginPublishRequest(
                 manifest=manifest_to_proto(layout),
@@ -494,6 +523,7 @@ class RelayClient:
             ),
             what,
             min(self.rpc_timeout_s, deadline - time.monotonic()),
+            relay,
         )
         if not begin.accepted:
             raise ProtocolError(f"{what}: refused: {begin.reason}")
@@ -503,18 +533,20 @@ class RelayClient:
             for index, digest, data in self._hashed(buffers, layout):
                 sender.send(begin.session, index, digest, data)
                 checksums.append(digest.hex())
-            reply = self._call(
+            reply = self._call_while_master(
                 stub.CommitPublish,
                 relay_pb2.CommitPublishRequest(
                     session=begin.session, chunks_sent=len(checksums), checksums=checksums
                 ),
                 what,
                 deadline - time.monotonic(),
+                relay,
             )
         except LaminarError as exc:
             if isinstance(exc, TransportError):
                 self._drop_sender(begin.data_endpoint)
-            self._abort(stub, begin.session, f"publisher gave up: {exc}", relay)
+            if not isinstance(exc, _MasterChanged):  # a paused relay would hold the abort too
+                self._abort(stub, begin.session, f"publisher gave up: {exc}", relay)
             raise
         log.debug(
             "relay %s accepted version %d (visible=%s)",

@@ -296,7 +296,9 @@ class TrainerService(Service):
             msg = self.receiver.recv(timeout_s=0.1)
             if msg is None:
                 continue
-            known = self.buffer.known(msg)
+            invalid = check_trajectory(msg, self._vocab_size, self.version)
+            known = self.buffer.known(msg) if invalid is None or \
+                invalid.reason != "bad-group" else None
             if known is Added.CONSUMED:
                 failed = self.buffer.consumed.failed.get(msg.trajectory_id)
                 with self._reack_lock:
@@ -313,16 +315,13 @@ class TrainerService(Service):
                 continue
             if known is Added.DUPLICATE:
                 continue
-            invalid = check_trajectory(msg, self._vocab_size, self.version)
-            if invalid is None and (msg.settled_below > msg.group_seq >= 0):
-                invalid = Invalid("bad-group", f"trajectory {msg.trajectory_id!r} from worker "
-                                  f"{msg.worker_id!r}: watermark {msg.settled_below} is past "
-                                  f"its own group {msg.group_seq}")
             if invalid is not None:
                 self._reject(msg, invalid)
                 continue
             added = self.buffer.add(msg)
-            if added is Added.CONSUMED:
+            if added is Added.YES:
+                self._reject_counts.pop(msg.trajectory_id, None)
+            elif added is Added.CONSUMED:
                 # A copy of something trained already (its ack was lost with a
                 # manager, or it was generated twice): ack it again once durable.
                 with self._reack_lock:

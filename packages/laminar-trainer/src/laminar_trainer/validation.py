@@ -7,7 +7,8 @@ A failed check returns an :class:`Invalid` with a short ``reason`` (a metrics
 label) and a ``detail`` naming the trajectory, its worker and the value.
 
 Checks, in order: group fields (``group_size`` >= 1, ``0 <= sample_index <
-group_size``), a non-empty prompt and response, as many behaviour log-probs
+group_size``, a watermark ``settled_below`` not past its own ``group_seq``),
+a non-empty prompt and response, as many behaviour log-probs
 as response tokens, token ids inside the model's vocabulary, a finite reward,
 finite log-probs that are <= 0, and a policy version the trainer has
 published (``0 <= policy_version <= trainer_version``). Consistency with the
@@ -60,6 +61,11 @@ def check_trajectory(traj: Trajectory, vocab_size: int | None,
     if traj.group_size < 1 or not 0 <= traj.sample_index < traj.group_size:
         return Invalid("bad-group", f"{who}: sample_index {traj.sample_index} of a group of "
                                     f"{traj.group_size}")
+    if traj.settled_below > traj.group_seq >= 0:
+        # The manager stamps its watermark when it dispatches, while this group is open:
+        # a watermark past the trajectory's own group is wrong (and would hide groups).
+        return Invalid("bad-group", f"{who}: watermark {traj.settled_below} is past its own "
+                                    f"group {traj.group_seq}")
     if not traj.prompt_token_ids:
         return Invalid("empty-prompt", f"{who}: no prompt tokens")
     if not traj.response_token_ids:
