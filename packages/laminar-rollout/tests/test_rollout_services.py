@@ -267,3 +267,31 @@ def test_a_restarted_manager_resumes_its_ledger_and_the_workers_follow(stack, tm
     assert second.ledger.counts()[ACKED] == 24
     assert _wait(lambda: all(not w.outbox for w in workers), 10, trainer), \
         [sorted(w.outbox) for w in workers]
+
+
+def test_trainer_rejections_regenerate_and_ack_socket_rejects_are_metrics(stack):
+    """A TrajectoryRejected from the trainer sends the trajectory back to be generated
+    (its worker drops its copy); garbage on the ack socket is counted by reason in the
+    manager's metrics."""
+    from laminar_common.codec import TrajectoryRejected
+
+    store, trainer, start_manager, start_worker = stack
+    manager = start_manager(n_prompts=2, group_size=2)
+    worker = start_worker("w1")
+    assert _wait(lambda: len(trainer.got) >= 4, 20, trainer)
+    first = trainer.got[0]
+    manager_rec = trainer.coord.members("manager")["manager"]
+    sender = ZmqPushSender(manager_rec.extra["ack"])
+    sender.send(TrajectoryRejected(trajectory_id=first.trajectory_id, worker_id="w1",
+                                   reason="bad-logprob: test", final=False))
+    sender.send_frame(b"not a frame")
+    # Generated again: a second copy of the same id reaches the trainer.
+    assert _wait(lambda: sum(t.trajectory_id == first.trajectory_id for t in trainer.got) >= 2,
+                 20, trainer)
+    assert manager.ledger.counters.regenerated == 1
+    assert manager.stats.trainer_rejections == 1
+    metrics = {m.name: m for m in manager._metrics()}
+    assert sum(metrics["ack_rejected_frames_total"].values.values()) == 1
+    assert metrics["trainer_rejections_total"].value == 1
+    assert worker.counters["finished"] >= 5  # the rejected one was generated a second time
+    sender.close()
