@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +46,27 @@ def wait_until(cond, timeout_s: float, interval_s: float = 0.05) -> bool:
             return True
         time.sleep(interval_s)
     return bool(cond())
+
+
+def read_steps(run_dir: Path) -> list[dict]:
+    """The trainer's metrics.jsonl rows so far ([] before the first step)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """One Prometheus scrape: ``name{labels}`` -> value."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name_labels, value = line.rsplit(" ", 1)
+            out[name_labels] = float(value)
+    return out
+
+
+def metric_value(samples: dict[str, float], name: str) -> float:
+    """The sum of a metric over its label values."""
+    return sum(v for k, v in samples.items() if re.match(rf"{name}(\{{|$)", k))

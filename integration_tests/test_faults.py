@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from conftest import wait_until
+from conftest import read_steps, wait_until
 from laminar_common.etcd import EtcdCoordinator
 
 TTL = 3
@@ -30,11 +30,6 @@ def _common(etcd):
             "--set", f"etcd.ttl_s={TTL}"]
 
 
-def _steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def _saved_acks(state_dir: Path) -> int:
@@ -77,12 +72,12 @@ def test_kill_each_tier_in_turn_nothing_lost_nothing_twice(etcd, spawn, tmp_path
                     "--set", "checkpoint.every_steps=3")
     trainer = spawn("trainer", "laminar_trainer.cli", *trainer_args)
     trainer.wait_for_line("TRAINER READY", 60)
-    assert wait_until(lambda: len(_steps(run_dir)) >= 5, 60), "training did not start"
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 5, 60), "training did not start"
 
     # 1. A worker dies.
     t_kill_worker = time.time()
     workers[0].kill()
-    assert wait_until(lambda: len(_steps(run_dir)) >= 15, 60)
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 15, 60)
     t_after_worker = time.time()
 
     # 2. The master relay dies; a new one is elected; weights keep flowing.
@@ -92,12 +87,12 @@ def test_kill_each_tier_in_turn_nothing_lost_nothing_twice(etcd, spawn, tmp_path
     t_kill_relay = time.time()
     victim.kill()
     assert wait_until(lambda: watch.leader("relay-master") not in (None, master), 4 * TTL)
-    v_before = _steps(run_dir)[-1]["version"]
-    assert wait_until(lambda: len(_steps(run_dir)) >= 25, 60)
+    v_before = read_steps(run_dir)[-1]["version"]
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 25, 60)
     t_after_relay = time.time()
     # Live workers consume versions published after the relay failover.
     assert wait_until(lambda: any(r["staleness_mean"] >= 0 and r["version"] > v_before + 2
-                                  for r in _steps(run_dir)), 30)
+                                  for r in read_steps(run_dir)), 30)
 
     # 3. The trainer dies and is restarted from its last checkpoint.
     trainer.kill()
@@ -105,7 +100,7 @@ def test_kill_each_tier_in_turn_nothing_lost_nothing_twice(etcd, spawn, tmp_path
     resumed = trainer2.wait_for_line(r"TRAINER READY \S+ step=(\d+)", 60)
     assert int(resumed.group(1)) > 0 and int(resumed.group(1)) % 3 == 0
     assert all(w.alive() for i, w in workers.items() if i != 0), "workers stopped with the trainer"
-    assert wait_until(lambda: len(_steps(run_dir)) >= 35, 90)
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 35, 90)
 
     # 4. etcd restarts under everything.
     etcd.stop()
@@ -118,7 +113,7 @@ def test_kill_each_tier_in_turn_nothing_lost_nothing_twice(etcd, spawn, tmp_path
     assert any(r.alive() for r in relays)
 
     # Step loop continuity around the worker and relay failures.
-    rows = _steps(run_dir)
+    rows = read_steps(run_dir)
     budget = TTL + STEP_S + 2.0
     print(f"step-loop gaps: worker kill {_max_gap(rows, t_kill_worker, t_after_worker):.2f} s, "
           f"relay kill {_max_gap(rows, t_kill_relay, t_after_relay):.2f} s "
@@ -174,7 +169,7 @@ def test_rolling_upgrade_of_a_worker_while_the_others_run(etcd, spawn, tmp_path)
                     "--set", "trainer_id=trainer", "--set", f"simulate.step_s={STEP_S}",
                     "--set", "simulate.weight_bytes=65536", "--set", "batch_groups=2",
                     "--set", "total_steps=30", "--set", f"run_dir={run_dir}")
-    assert wait_until(lambda: len(_steps(run_dir)) >= 5, 60)
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 5, 60)
     assert old.stop() == 0, "the old worker did not shut down gracefully"
     new = spawn("worker-0-new", "laminar_rollout.cli", *worker_args, "--set", "worker_id=worker-0",
                 "--set", f"stats_path={tmp_path / 'new.stats.json'}",
@@ -219,7 +214,7 @@ def test_manager_sigkill_then_resume_loses_nothing(etcd, spawn, tmp_path):
                     "--set", f"total_steps={steps}", "--set", f"run_dir={run_dir}",
                     "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
                     "--set", "checkpoint.every_steps=3")
-    assert wait_until(lambda: len(_steps(run_dir)) >= 8, 60), "training did not start"
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 8, 60), "training did not start"
     assert wait_until(lambda: _saved_acks(state_dir) >= 8, 20), "no saved state with acks"
     manager.kill()
     saved = json.loads((state_dir / "manager_state.json").read_text())

@@ -4,14 +4,12 @@ and fuzzed frames sent to a running stack are refused, counted, and harmless."""
 from __future__ import annotations
 
 import random
-import re
 import sys
-import urllib.request
 from pathlib import Path
 
 import yaml
 
-from conftest import wait_until
+from conftest import metric_value, scrape_metrics, wait_until
 from laminar_common import codec
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.processes import ChildProcess
@@ -20,18 +18,8 @@ from laminar_common.transport import ZmqPushSender
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name_labels, value = line.rsplit(" ", 1)
-            out[name_labels] = float(value)
-    return out
 
 
-def _value(samples: dict[str, float], name: str) -> float:
-    return sum(v for k, v in samples.items() if re.match(rf"{name}(\{{|$)", k))
 
 
 def test_every_tier_serves_metrics_during_a_run(tmp_path):
@@ -56,20 +44,20 @@ def test_every_tier_serves_metrics_during_a_run(tmp_path):
 
         def all_moving():
             for member, url in urls.items():
-                scraped[member] = _scrape(url)
-            return (_value(scraped["trainer"], "laminar_trainer_steps_total") >= 3
-                    and _value(scraped["worker-0"], "laminar_worker_trajectories_total") > 0
-                    and _value(scraped["manager"], "laminar_manager_dispatched_total") > 0
-                    and _value(scraped["relay-0"], "laminar_relay_versions_stored") >= 1)
+                scraped[member] = scrape_metrics(url)
+            return (metric_value(scraped["trainer"], "laminar_trainer_steps_total") >= 3
+                    and metric_value(scraped["worker-0"], "laminar_worker_trajectories_total") > 0
+                    and metric_value(scraped["manager"], "laminar_manager_dispatched_total") > 0
+                    and metric_value(scraped["relay-0"], "laminar_relay_versions_stored") >= 1)
 
         assert wait_until(all_moving, 30), {k: len(v) for k, v in scraped.items()}
         t = scraped["trainer"]
-        assert _value(t, "laminar_trainer_tokens_consumed_total") > 0
-        assert _value(t, "laminar_trainer_staleness_trajectories") > 0
+        assert metric_value(t, "laminar_trainer_tokens_consumed_total") > 0
+        assert metric_value(t, "laminar_trainer_staleness_trajectories") > 0
         assert 'job="metrics"' in next(iter(t))
-        assert _value(scraped["manager"], "laminar_manager_workers") == 2
-        assert _value(scraped["worker-1"], "laminar_worker_weight_version") >= 0
-        assert _value(scraped["relay-0"], "laminar_relay_is_master") == 1
+        assert metric_value(scraped["manager"], "laminar_manager_workers") == 2
+        assert metric_value(scraped["worker-1"], "laminar_worker_weight_version") >= 0
+        assert metric_value(scraped["relay-0"], "laminar_relay_is_master") == 1
 
         # Hostile input: fuzzed frames at the trainer's trajectory socket and the
         # manager's ack socket are refused and counted; training goes on.
@@ -83,12 +71,12 @@ def test_every_tier_serves_metrics_during_a_run(tmp_path):
                 sender.send_frame(bytes(frame[: rng.randrange(1, len(frame) + 1)]))
             sender.send_frame(b"\x00" * 10)
             sender.close()
-        steps_before = _value(_scrape(urls["trainer"]), "laminar_trainer_steps_total")
+        steps_before = metric_value(scrape_metrics(urls["trainer"]), "laminar_trainer_steps_total")
 
         def refused_and_training():
-            t = _scrape(urls["trainer"])
-            return (_value(t, "laminar_trainer_rejected_frames_total") > 0
-                    and _value(t, "laminar_trainer_steps_total") >= steps_before + 3)
+            t = scrape_metrics(urls["trainer"])
+            return (metric_value(t, "laminar_trainer_rejected_frames_total") > 0
+                    and metric_value(t, "laminar_trainer_steps_total") >= steps_before + 3)
 
         assert wait_until(refused_and_training, 30)
         assert all(m in coord.members() for m in urls), "a tier died from fuzzed frames"

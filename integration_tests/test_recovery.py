@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import time
-import urllib.request
 from pathlib import Path
 
-from conftest import wait_until
+from conftest import metric_value, read_steps, scrape_metrics, wait_until
 from laminar_common.etcd import EtcdCoordinator
 
 TTL = 3
@@ -48,29 +46,14 @@ def _prompts(tmp_path: Path, n: int) -> Path:
     return path
 
 
-def _steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def _consumed_rows(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines() if x]
 
 
-def _scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name_labels, value = line.rsplit(" ", 1)
-            out[name_labels] = float(value)
-    return out
 
 
-def _value(samples: dict[str, float], name: str) -> float:
-    return sum(v for k, v in samples.items() if re.match(rf"{name}(\{{|$)", k))
 
 
 def _worker(spawn, etcd, i: int, *extra: str):
@@ -129,7 +112,7 @@ def test_worker_paused_past_its_lease_is_taken_back(etcd, spawn, tmp_path):
     trainer = spawn("trainer", "laminar_trainer.cli",
                     *_trainer_args(etcd, run_dir, steps, "--set", f"checkpoint.dir={tmp_path}/ck",
                                    "--set", "checkpoint.every_steps=3"))
-    assert wait_until(lambda: len(_steps(run_dir)) >= 4, 60), "training did not start"
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 4, 60), "training did not start"
     watch = EtcdCoordinator([etcd.endpoint], JOB, ttl_s=TTL)
     url = watch.members("worker")["worker-0"].extra["metrics"]
     paused = workers[0]
@@ -141,12 +124,12 @@ def test_worker_paused_past_its_lease_is_taken_back(etcd, spawn, tmp_path):
         time.sleep(max(0.0, t0 + 2 * TTL - time.monotonic()))
     finally:
         os.kill(paused.pid, signal.SIGCONT)
-    before = _value(_scrape(url), "laminar_worker_trajectories_total")
+    before = metric_value(scrape_metrics(url), "laminar_worker_trajectories_total")
     # It registers again, says hello again, and is given work that it finishes.
     assert wait_until(lambda: "worker-0" in watch.members("worker"), 10)
-    assert wait_until(lambda: _value(_scrape(url), "laminar_worker_trajectories_total")
+    assert wait_until(lambda: metric_value(scrape_metrics(url), "laminar_worker_trajectories_total")
                       >= before + 4, 60), "the paused worker was never taken back"
-    assert _value(_scrape(url), "laminar_worker_rejoins_total") >= 1
+    assert metric_value(scrape_metrics(url), "laminar_worker_rejoins_total") >= 1
     trainer.wait_for_line(r"TRAINER DONE", 180)
     assert trainer.proc.wait(30) == 0
     state = _check_exactly_once(run_dir, manager, state_dir, steps * 2 * 2)
@@ -164,7 +147,7 @@ def test_etcd_paused_past_the_ttl_training_goes_on(etcd, spawn, tmp_path):
     trainer = spawn("trainer", "laminar_trainer.cli",
                     *_trainer_args(etcd, run_dir, steps, "--set", f"checkpoint.dir={tmp_path}/ck",
                                    "--set", "checkpoint.every_steps=3"))
-    assert wait_until(lambda: len(_steps(run_dir)) >= 4, 60), "training did not start"
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 4, 60), "training did not start"
     t_pause = time.time()
     os.kill(etcd.proc.pid, signal.SIGSTOP)
     try:
@@ -172,14 +155,14 @@ def test_etcd_paused_past_the_ttl_training_goes_on(etcd, spawn, tmp_path):
     finally:
         os.kill(etcd.proc.pid, signal.SIGCONT)
     t_resume = time.time()
-    during = [r for r in _steps(run_dir) if t_pause + 0.5 <= r["time"] <= t_resume]
+    during = [r for r in read_steps(run_dir) if t_pause + 0.5 <= r["time"] <= t_resume]
     print(f"steps while etcd was paused for {t_resume - t_pause:.1f}s: {len(during)}")
     # The step loop writes its status to etcd in the background: it never waited.
-    assert len(during) >= 3, [r["time"] - t_pause for r in _steps(run_dir)]
+    assert len(during) >= 3, [r["time"] - t_pause for r in read_steps(run_dir)]
     trainer.wait_for_line(r"TRAINER DONE", 180)
     assert trainer.proc.wait(30) == 0
     assert all(w.alive() for w in workers) and manager.alive(), "a tier exited"
-    rows = _steps(run_dir)
+    rows = read_steps(run_dir)
     gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
     print(f"max step gap {max(gaps):.2f}s")
     _check_exactly_once(run_dir, manager, state_dir, steps * 2 * 2)
@@ -199,17 +182,17 @@ def test_trainer_sigterm_then_resume_on_the_same_port(etcd, spawn, tmp_path):
     args = _trainer_args(etcd, run_dir, steps, "--set", f"listen={listen}",
                          "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every_steps=5")
     trainer = spawn("trainer", "laminar_trainer.cli", *args)
-    assert wait_until(lambda: len(_steps(run_dir)) >= 7, 60), "training did not start"
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 7, 60), "training did not start"
     # Between checkpoints (5 and 10): a graceful stop checkpoints where it is.
     assert trainer.stop(grace_s=30) == 0
-    stopped_at = _steps(run_dir)[-1]["step"]
+    stopped_at = read_steps(run_dir)[-1]["step"]
     assert (ckpt / "LATEST").read_text() == f"step-{stopped_at:08d}"
     trainer2 = spawn("trainer-2", "laminar_trainer.cli", *args, "--resume")
     resumed = trainer2.wait_for_line(r"TRAINER READY (\S+) step=(\d+)", 60)
     assert resumed.group(1) == listen and int(resumed.group(2)) == stopped_at
     trainer2.wait_for_line(r"TRAINER DONE", 180)
     assert trainer2.proc.wait(30) == 0
-    assert [r["step"] for r in _steps(run_dir)] == list(range(1, steps + 1))
+    assert [r["step"] for r in read_steps(run_dir)] == list(range(1, steps + 1))
     _check_exactly_once(run_dir, manager, state_dir, steps * 2 * 2)
 
 

@@ -23,7 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import wait_until
+from conftest import read_steps, wait_until
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.processes import ChildProcess
 from laminar_common.relay_client import RelayClient
@@ -38,11 +38,6 @@ def _consumed(run_dir: Path) -> list[str]:
             for i in json.loads(line)["ids"]]
 
 
-def _steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def test_demo_job_raises_held_out_accuracy_by_twenty_points(tmp_path):
@@ -124,9 +119,9 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path,
                     "--set", f"checkpoint.dir={ckpt}", "--set", f"checkpoint.every_steps={every}")
     trainer = spawn("trainer", "laminar_trainer.cli", *trainer_args)
     trainer.wait_for_line("TRAINER READY", 120)
-    assert wait_until(lambda: len(_steps(run_dir)) >= 5, 300), "training did not reach step 5"
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 5, 300), "training did not reach step 5"
     trainer.kill()
-    killed_at = _steps(run_dir)[-1]["step"]
+    killed_at = read_steps(run_dir)[-1]["step"]
 
     trainer2 = spawn("trainer-2", "laminar_trainer.cli", *trainer_args, "--resume")
     resumed = trainer2.wait_for_line(r"TRAINER READY \S+ step=(\d+)", 120)
@@ -140,7 +135,7 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path,
     assert summary["steps"] == total_steps and summary["simulated_step"] is False
     # The restarted trainer went on from the checkpoint, step by step, to the end;
     # the steps after the checkpoint that the killed one took were rolled back.
-    steps = [row["step"] for row in _steps(run_dir)]
+    steps = [row["step"] for row in read_steps(run_dir)]
     assert steps[-(total_steps - resumed_step):] == list(range(resumed_step + 1, total_steps + 1))
     consumed = _consumed(run_dir)
     assert len(consumed) == len(set(consumed)) == total_steps * 4 * 4
@@ -178,7 +173,7 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
     assert summary["eval_before"] is not None and summary["eval_after"] is not None
     consumed = _consumed(run_dir)
     assert len(consumed) == len(set(consumed)) == steps * 4 * 4
-    rows = _steps(run_dir)
+    rows = read_steps(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all("eval_accuracy" in r for r in rows if r["step"] % 2 == 0)
     # The worker loaded the published versions: staleness stays within the
@@ -208,7 +203,7 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
     assert int(resumed.group(1)) == steps
     single.wait_for_line(r"TRAINER DONE", 600)
     assert single.proc.wait(60) == 0
-    assert [r["step"] for r in _steps(run_dir)][-2:] == [steps + 1, steps + 2]
+    assert [r["step"] for r in read_steps(run_dir)][-2:] == [steps + 1, steps + 2]
     consumed = _consumed(run_dir)
     assert len(consumed) == len(set(consumed)) == (steps + 2) * 4 * 4
     assert worker.alive() and manager.alive()

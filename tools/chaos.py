@@ -37,6 +37,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import time
@@ -243,6 +244,10 @@ def soak(args: argparse.Namespace, root: Path, faults: bool) -> dict:
     """One run: start the stack, inject faults until the deadline, stop, analyse."""
     label = "chaos" if faults else "baseline"
     print(f"{label}: starting the stack in {root}", flush=True)
+    if root.exists():
+        # A soak starts from nothing: an earlier run's checkpoints or ledger in here
+        # would be resumed from (or pruned against) and corrupt this run's figures.
+        shutil.rmtree(root)
     stack = Stack(root, args)
     rng = random.Random(args.seed)
     records: list[dict] = []

@@ -305,3 +305,26 @@ def test_a_non_finite_step_leaves_the_weights_alone(tmp_path, model_dir):
             assert torch.equal(v, before[k]), k
     finally:
         svc.close()
+
+
+def test_a_fresh_start_clears_an_earlier_runs_checkpoints(tmp_path, model_dir):
+    """Checkpoints of an earlier run at higher steps must not outlive (and prune away)
+    the new run's: a fresh start removes them, so LATEST always names a checkpoint."""
+    stale = tmp_path / "ckpt" / "step-00000370"
+    stale.mkdir(parents=True)
+    (stale / "trainer.json").write_text('{"step": 370, "version": 370, "consumed": []}')
+    (tmp_path / "ckpt" / "LATEST").write_text("step-00000370")
+    h = Harness(tmp_path, model_dir, total_steps=2)
+    svc = h.start()
+    try:
+        assert not stale.exists()
+        h.send(svc, [t for p in "abcd" for t in _trajs(p)])
+        assert _wait(lambda: svc.finished.is_set(), 60)
+    finally:
+        svc.close()
+    assert (tmp_path / "ckpt" / "LATEST").read_text() == "step-00000002"
+    svc2 = h.start(resume=True)
+    try:
+        assert svc2.step == 2
+    finally:
+        svc2.close()

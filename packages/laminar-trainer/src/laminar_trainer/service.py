@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -227,6 +228,8 @@ class TrainerService(Service):
 
     def _load(self) -> None:
         cfg = self.config
+        if not self.resume and cfg.checkpoint.dir:
+            self._clear_old_checkpoints(Path(cfg.checkpoint.dir))
         ckpt = latest_checkpoint(cfg.checkpoint.dir) if self.resume and cfg.checkpoint.dir else None
         if self.resume and ckpt is None:
             log.warning("--resume: no checkpoint in %s; starting fresh", cfg.checkpoint.dir)
@@ -258,6 +261,21 @@ class TrainerService(Service):
         elif not self.resume:
             for name in ("consumed.jsonl", "metrics.jsonl"):
                 (self.run_dir / name).unlink(missing_ok=True)
+
+    def _clear_old_checkpoints(self, root: Path) -> None:
+        """A fresh start (no --resume) begins a new run, as it does for the logs in
+        run_dir: an earlier run's checkpoints in checkpoint.dir go. Kept, they would be
+        pruned against this run's by step number, deleting this run's newest (LATEST
+        then names a missing checkpoint and --resume fails)."""
+        old = sorted(p for p in root.glob("step-*") if p.is_dir())
+        if not old and not (root / "LATEST").exists():
+            return
+        log.warning("fresh start: removing %d checkpoints of an earlier run from %s (%s); "
+                    "pass --resume to continue that run instead", len(old), root,
+                    ", ".join(p.name for p in old[-3:]))
+        for path in old:
+            shutil.rmtree(path)
+        (root / "LATEST").unlink(missing_ok=True)
 
     def _truncate_log(self, name: str, step: int) -> None:
         """Keep the rows of ``run_dir/name`` up to ``step`` (rows without a step stay)."""
