@@ -67,6 +67,17 @@ class LedgerCounters:
     by_state: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
+@dataclass(slots=True)
+class _Group:
+    """One prompt's group in the ledger's creation order."""
+
+    prompt_id: str
+    size: int
+    batch: int
+    open: int
+    """Its trajectories not yet acked or rejected."""
+
+
 def trajectory_id(prompt_id: str, sample_index: int) -> str:
     return f"{prompt_id}#{sample_index}"
 
@@ -76,12 +87,11 @@ class TrajectoryLedger:
 
     def __init__(self, keep_settled: int | None = None) -> None:
         self.entries: dict[str, Entry] = {}
-        # Groups by creation number (``group_seq``): [prompt_id, group_size, batch,
-        # trajectories not yet acked/rejected]. ``settled_below`` is the watermark:
-        # every group numbered below it is settled. Settled groups more than
-        # ``keep_settled`` behind it are compacted away (their entries dropped),
+        # Groups by creation number (``group_seq``). ``settled_below`` is the
+        # watermark: every group numbered below it is settled. Settled groups more
+        # than ``keep_settled`` behind it are compacted away (their entries dropped),
         # so memory and snapshots stay flat however long the run.
-        self._groups: collections.OrderedDict[int, list] = collections.OrderedDict()
+        self._groups: collections.OrderedDict[int, _Group] = collections.OrderedDict()
         self._next_seq = 0
         self.settled_below = 0
         self.keep_settled = keep_settled
@@ -125,15 +135,15 @@ class TrajectoryLedger:
             ids.append(tid)
         if self.settled_below == self._next_seq:  # nothing open: the watermark may jump
             self.settled_below = seq
-        self._groups[seq] = [record.prompt_id, group_size, batch, group_size]
+        self._groups[seq] = _Group(record.prompt_id, group_size, batch, group_size)
         self._next_seq = seq + 1
         return ids
 
     def _settle(self, entry: Entry) -> None:
         """One trajectory became final: move the watermark over settled groups, compact."""
-        self._groups[entry.task.group_seq][3] -= 1
+        self._groups[entry.task.group_seq].open -= 1
         while self.settled_below < self._next_seq and \
-                self._groups[self.settled_below][3] == 0:
+                self._groups[self.settled_below].open == 0:
             self.settled_below += 1
         if self.keep_settled is None:
             return
@@ -141,9 +151,9 @@ class TrajectoryLedger:
             seq = next(iter(self._groups))
             if seq >= self.settled_below - self.keep_settled:
                 break
-            prompt_id, group_size, _, _ = self._groups.pop(seq)
-            for i in range(group_size):
-                gone = self.entries.pop(trajectory_id(prompt_id, i), None)
+            group = self._groups.pop(seq)
+            for i in range(group.size):
+                gone = self.entries.pop(trajectory_id(group.prompt_id, i), None)
                 if gone is not None:
                     self.compacted_states[gone.state] += 1
             self.compacted_groups += 1
@@ -384,8 +394,7 @@ class TrajectoryLedger:
         states: dict[str, list[str]] = {s: [] for s in STATES}
         for tid, entry in self.entries.items():
             states[entry.state].append(tid)
-        groups = [[prompt_id, size, batch, seq]
-                  for seq, (prompt_id, size, batch, _) in self._groups.items()]
+        groups = [[g.prompt_id, g.size, g.batch, seq] for seq, g in self._groups.items()]
         return {"states": states, "groups": groups,
                 "dispatched_to": {w: len(ids) for w, ids in self._held.items() if ids},
                 "settled_below": self.settled_below,

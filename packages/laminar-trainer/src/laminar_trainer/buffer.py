@@ -181,8 +181,7 @@ class ExperienceBuffer:
         """Buffer one trajectory; the result is false when it was refused, and says why."""
         with self._cond:
             self.stats.received += 1
-            self.consumed.advance(traj.settled_below)
-            if self.consumed.covers(traj.trajectory_id, traj.group_seq):
+            if self._consumed_locked(traj):
                 self.stats.already_consumed += 1
                 return Added.CONSUMED
             group = self._groups.get(traj.prompt_id)
@@ -213,8 +212,7 @@ class ExperienceBuffer:
         (counted as :meth:`add` would), else None. The trainer asks before validating, so
         a broken copy of an id it already holds never counts against that id."""
         with self._cond:
-            self.consumed.advance(traj.settled_below)
-            if self.consumed.covers(traj.trajectory_id, traj.group_seq):
+            if self._consumed_locked(traj):
                 self.stats.received += 1
                 self.stats.already_consumed += 1
                 return Added.CONSUMED
@@ -225,6 +223,12 @@ class ExperienceBuffer:
                 self.stats.duplicates += 1
                 return Added.DUPLICATE
             return None
+
+    def _consumed_locked(self, traj: Trajectory) -> bool:
+        """Move the watermark to ``traj``'s, then: was its id consumed (or its group
+        settled)? Caller holds the lock."""
+        self.consumed.advance(traj.settled_below)
+        return self.consumed.covers(traj.trajectory_id, traj.group_seq)
 
     def fail(self, traj: Trajectory, reason: str = "") -> None:
         """Give up on ``traj``'s sample: consumed (never trained), and its group
