@@ -70,3 +70,9 @@ def scrape_metrics(url: str) -> dict[str, float]:
 def metric_value(samples: dict[str, float], name: str) -> float:
     """The sum of a metric over its label values."""
     return sum(v for k, v in samples.items() if re.match(rf"{name}(\{{|$)", k))
+
+
+def tier_args(etcd, job: str, ttl_s: int) -> list[str]:
+    """The ``--set`` overrides every tier of a test stack shares: job, etcd, lease TTL."""
+    return ["--set", f"job={job}", "--set", f"etcd.endpoints=[{etcd.endpoint}]",
+            "--set", f"etcd.ttl_s={ttl_s}"]

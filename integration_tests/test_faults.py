@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from conftest import read_steps, wait_until
+from conftest import read_steps, tier_args, wait_until
 from laminar_common.etcd import EtcdCoordinator
 
 TTL = 3
@@ -26,8 +26,7 @@ JOB = "faults"
 
 
 def _common(etcd):
-    return ["--set", f"job={JOB}", "--set", f"etcd.endpoints=[{etcd.endpoint}]",
-            "--set", f"etcd.ttl_s={TTL}"]
+    return tier_args(etcd, JOB, TTL)
 
 
 

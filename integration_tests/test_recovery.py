@@ -26,7 +26,7 @@ import socket
 import time
 from pathlib import Path
 
-from conftest import metric_value, read_steps, scrape_metrics, wait_until
+from conftest import metric_value, read_steps, scrape_metrics, tier_args, wait_until
 from laminar_common.etcd import EtcdCoordinator
 
 TTL = 3
@@ -35,8 +35,7 @@ JOB = "recovery"
 
 
 def _common(etcd):
-    return ["--set", f"job={JOB}", "--set", f"etcd.endpoints=[{etcd.endpoint}]",
-            "--set", f"etcd.ttl_s={TTL}"]
+    return tier_args(etcd, JOB, TTL)
 
 
 def _prompts(tmp_path: Path, n: int) -> Path:
@@ -85,6 +84,16 @@ def _trainer_args(etcd, run_dir: Path, steps: int, *extra: str) -> tuple[str, ..
             "--set", f"run_dir={run_dir}", *extra)
 
 
+def _start_checkpointing_trainer(etcd, spawn, tmp_path: Path, steps: int):
+    """The trainer (checkpoint every 3 steps), once it has taken 4 steps."""
+    run_dir = tmp_path / "trainer"
+    trainer = spawn("trainer", "laminar_trainer.cli",
+                    *_trainer_args(etcd, run_dir, steps, "--set", f"checkpoint.dir={tmp_path}/ck",
+                                   "--set", "checkpoint.every_steps=3"))
+    assert wait_until(lambda: len(read_steps(run_dir)) >= 4, 60), "training did not start"
+    return trainer, run_dir
+
+
 def _check_exactly_once(run_dir: Path, manager, state_dir: Path, trained: int) -> dict:
     """Consumed ids unique and as many as the steps took; the manager's acks equal
     what the trainer consumed (trained or dropped as stale); no id in two states."""
@@ -108,11 +117,7 @@ def test_worker_paused_past_its_lease_is_taken_back(etcd, spawn, tmp_path):
     n_prompts, steps = 160, 80  # long enough to outlast the pause by several seconds
     manager, workers, state_dir = _stack(etcd, spawn, tmp_path, n_prompts,
                                          worker_extra=("--set", "metrics.port=0"))
-    run_dir = tmp_path / "trainer"
-    trainer = spawn("trainer", "laminar_trainer.cli",
-                    *_trainer_args(etcd, run_dir, steps, "--set", f"checkpoint.dir={tmp_path}/ck",
-                                   "--set", "checkpoint.every_steps=3"))
-    assert wait_until(lambda: len(read_steps(run_dir)) >= 4, 60), "training did not start"
+    trainer, run_dir = _start_checkpointing_trainer(etcd, spawn, tmp_path, steps)
     watch = EtcdCoordinator([etcd.endpoint], JOB, ttl_s=TTL)
     url = watch.members("worker")["worker-0"].extra["metrics"]
     paused = workers[0]
@@ -143,11 +148,7 @@ def test_etcd_paused_past_the_ttl_training_goes_on(etcd, spawn, tmp_path):
     # (new versions cannot become visible while it is paused).
     manager, workers, state_dir = _stack(etcd, spawn, tmp_path, n_prompts,
                                          manager_extra=("--set", "max_staleness=8"))
-    run_dir = tmp_path / "trainer"
-    trainer = spawn("trainer", "laminar_trainer.cli",
-                    *_trainer_args(etcd, run_dir, steps, "--set", f"checkpoint.dir={tmp_path}/ck",
-                                   "--set", "checkpoint.every_steps=3"))
-    assert wait_until(lambda: len(read_steps(run_dir)) >= 4, 60), "training did not start"
+    trainer, run_dir = _start_checkpointing_trainer(etcd, spawn, tmp_path, steps)
     t_pause = time.time()
     os.kill(etcd.proc.pid, signal.SIGSTOP)
     try:
