@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from laminar_common.launcher_etcd import LocalEtcd
-from laminar_common.processes import ChildProcess
+from laminar_common.launch.local_etcd import LocalEtcd
+from laminar_common.launch.processes import ChildProcess
 
 
 @pytest.fixture

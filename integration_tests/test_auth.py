@@ -17,7 +17,7 @@ from laminar_common import codec
 from laminar_common.auth import CurveAuth, TlsFiles, create_keys
 from laminar_common.errors import LaminarError
 from laminar_common.etcd import EtcdCoordinator
-from laminar_common.relay_client import RelayClient
+from laminar_common.relay.client import RelayClient
 from laminar_common.transport import ZmqClient
 
 JOB = "auth"
@@ -88,7 +88,7 @@ def test_etcd_user_password_authentication():
     from pyetcd import etcdrpc
 
     from laminar_common.errors import EtcdUnavailableError
-    from laminar_common.launcher_etcd import LocalEtcd
+    from laminar_common.launch.local_etcd import LocalEtcd
     from laminar_common.membership import MemberRecord
 
     with LocalEtcd() as server:
@@ -121,7 +121,7 @@ def test_etcd_mutual_tls(tmp_path, spawn):
     """
     from conftest import wait_until
     from laminar_common.errors import EtcdUnavailableError
-    from laminar_common.launcher_etcd import LocalEtcd
+    from laminar_common.launch.local_etcd import LocalEtcd
     from laminar_common.membership import MemberRecord
 
     keys = create_keys(tmp_path / "keys", etcd_hosts=[])

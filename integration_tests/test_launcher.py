@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from laminar_common.processes import ChildProcess
+from laminar_common.launch.processes import ChildProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ def test_laminar_up_local_reaches_trained_steps_and_shuts_down(tmp_path):
     job["tiers"]["trainer"]["config"]["total_steps"] = 3
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.cli", "up", str(path)],
+    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path)],
                       str(tmp_path / "up.log"), cwd=str(tmp_path))
     up.wait_for_line(r"trainer: STEP 3 ", 180)
     up.wait_for_line(r"trainer exited with \[0\]", 60)
@@ -70,7 +70,7 @@ def test_laminar_up_ray_backend_restarts_killed_replicas_and_the_trainer_resumes
     job["tiers"]["relay"]["config"].pop("member_id")
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.cli", "up", str(path),
+    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path),
                              "--backend", "ray", "--num-cpus", "2"],
                       str(tmp_path / "up.log"), cwd=str(tmp_path))
     try:
@@ -109,7 +109,7 @@ def test_laminar_up_ray_backend_restarts_killed_replicas_and_the_trainer_resumes
 def _laminar(*args: str, timeout_s: float = 60):
     import subprocess
 
-    return subprocess.run([sys.executable, "-m", "laminar_common.cli", *args],
+    return subprocess.run([sys.executable, "-m", "laminar_common.launch.cli", *args],
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -135,7 +135,7 @@ def test_laminar_up_serves_embedded_etcd_over_mutual_tls_from_auth_dir(tmp_path)
         spec["config"]["auth"] = {"dir": str(keys)}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.cli", "up", str(path)],
+    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path)],
                       str(tmp_path / "up.log"), cwd=str(tmp_path))
     try:
         endpoint = up.wait_for_line(r"etcd at (https://127\.0\.0\.1:\d+) \(mutual TLS", 60)[1]

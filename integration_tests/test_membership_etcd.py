@@ -12,7 +12,7 @@ from conftest import wait_until
 from laminar_common import codec
 from laminar_common.errors import CoordinationError
 from laminar_common.etcd import EtcdCoordinator
-from laminar_common.launcher_etcd import LocalEtcd
+from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.membership import MemberRecord, VersionRecord
 from laminar_common.transport import ZmqPushSender
 
@@ -34,7 +34,7 @@ def test_sigkilled_member_vanishes_within_two_ttl(etcd, spawn):
             (joined if ev.kind == "put" else gone).set()
 
     watcher.watch_members(on_event)
-    victim = spawn("victim", "laminar_common.cli", *_member_args(etcd, "victim"))
+    victim = spawn("victim", "laminar_common.launch.cli", *_member_args(etcd, "victim"))
     victim.wait_for_line("REGISTERED", 30)
     assert joined.wait(10)
     t0 = time.monotonic()
@@ -46,7 +46,7 @@ def test_sigkilled_member_vanishes_within_two_ttl(etcd, spawn):
 
 
 def test_member_survives_etcd_restart_and_wipe(etcd, spawn):
-    member = spawn("survivor", "laminar_common.cli", *_member_args(etcd, "survivor"))
+    member = spawn("survivor", "laminar_common.launch.cli", *_member_args(etcd, "survivor"))
     member.wait_for_line("REGISTERED", 30)
     watcher = EtcdCoordinator([etcd.endpoint], "itest", ttl_s=TTL)
     assert "survivor" in watcher.members()
@@ -67,9 +67,9 @@ def test_member_survives_etcd_restart_and_wipe(etcd, spawn):
 
 
 def test_member_with_other_protocol_version_is_refused(etcd, spawn):
-    ok = spawn("current", "laminar_common.cli", *_member_args(etcd, "current"))
+    ok = spawn("current", "laminar_common.launch.cli", *_member_args(etcd, "current"))
     ok.wait_for_line("REGISTERED", 30)
-    old = spawn("old", "laminar_common.cli",
+    old = spawn("old", "laminar_common.launch.cli",
                 *_member_args(etcd, "old", "--set", f"protocol_version={codec.PROTOCOL_VERSION + 1}"))
     old.wait_for_line(r"error: .*speaks protocol version", 30)
     assert old.proc.wait(10) == 2
@@ -79,7 +79,7 @@ def test_member_with_other_protocol_version_is_refused(etcd, spawn):
 
 
 def test_member_sink_rejects_bad_frames_and_counts_them(etcd, spawn):
-    member = spawn("sink", "laminar_common.cli", *_member_args(etcd, "sink"))
+    member = spawn("sink", "laminar_common.launch.cli", *_member_args(etcd, "sink"))
     endpoint = member.wait_for_line(r"REGISTERED sink (\S+)", 30).group(1)
     sender = ZmqPushSender(endpoint)
     other_version = bytearray(codec.encode(codec.Refused(reason="x")))
@@ -161,7 +161,7 @@ def test_watch_converges_across_compaction(etcd):
 
 def test_unreachable_etcd_gives_clear_error():
     from laminar_common.errors import EtcdUnavailableError
-    from laminar_common.launcher_etcd import free_port
+    from laminar_common.launch.local_etcd import free_port
 
     with pytest.raises(EtcdUnavailableError, match="cannot reach etcd"):
         EtcdCoordinator([f"127.0.0.1:{free_port()}"], "x", connect_timeout_s=1)

@@ -12,7 +12,7 @@ import yaml
 from conftest import metric_value, scrape_metrics, wait_until
 from laminar_common import codec
 from laminar_common.etcd import EtcdCoordinator
-from laminar_common.processes import ChildProcess
+from laminar_common.launch.processes import ChildProcess
 from laminar_common.transport import ZmqPushSender
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def test_every_tier_serves_metrics_during_a_run(tmp_path):
         spec["config"]["metrics"] = {"port": 0}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.cli", "up", str(path)],
+    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path)],
                       str(tmp_path / "up.log"), cwd=str(tmp_path))
     try:
         up.wait_for_line(r"trainer: STEP 3 ", 120)

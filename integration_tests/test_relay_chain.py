@@ -16,10 +16,10 @@ import pytest
 
 from laminar_common.errors import LaminarError
 from laminar_common.etcd import EtcdCoordinator
-from laminar_common.launcher_etcd import LocalEtcd
-from laminar_common.processes import ChildProcess
-from laminar_common.relay_client import RelayClient
-from laminar_common.relay_wire import MASTER_ELECTION, RELAY_ROLE, VersionNotFoundError
+from laminar_common.launch.local_etcd import LocalEtcd
+from laminar_common.launch.processes import ChildProcess
+from laminar_common.relay.client import RelayClient
+from laminar_common.relay.wire import MASTER_ELECTION, RELAY_ROLE, VersionNotFoundError
 
 TTL = 2
 SIZE = 4 * 1024 * 1024 + 321

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 
 from conftest import read_steps, wait_until
 from laminar_common.etcd import EtcdCoordinator
-from laminar_common.processes import ChildProcess
-from laminar_common.relay_client import RelayClient
+from laminar_common.launch.processes import ChildProcess
+from laminar_common.relay.client import RelayClient
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_GAIN = 0.20
@@ -46,7 +46,7 @@ def test_demo_job_raises_held_out_accuracy_by_twenty_points(tmp_path):
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(job))
     total_steps = job["tiers"]["trainer"]["config"]["total_steps"]
-    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.cli", "up", str(path)],
+    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path)],
                       str(tmp_path / "up.log"), cwd=str(tmp_path))
     try:
         up.wait_for_line(r"trainer exited with \[0\]", 1200)
@@ -86,7 +86,7 @@ def warm(tmp_path_factory):
                     str(out / "model"), "--steps", "40", "--demo-error-rate", "0.6"],
                    check=True, capture_output=True, timeout=600)
     for split, n in (("train", 2000), ("eval", 16)):
-        subprocess.run([sys.executable, "-m", "laminar_common.cli", "prompts", "--n", str(n),
+        subprocess.run([sys.executable, "-m", "laminar_common.launch.cli", "prompts", "--n", str(n),
                         "--split", split, "--seed", "1", "--out", str(out / f"{split}.jsonl")],
                        check=True, capture_output=True, timeout=60)
     return out

@@ -15,7 +15,7 @@ from conftest import wait_until
 from laminar_common.codec import Ack, Trajectory
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.membership import MemberRecord
-from laminar_common.relay_client import RelayClient
+from laminar_common.relay.client import RelayClient
 from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
 
 TTL = 3

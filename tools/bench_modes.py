@@ -27,9 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-from laminar_common.launcher import JobFile, LocalLauncher
-from laminar_common.report import busy_in_window, write_timeline
-from laminar_common.tasks import make_task_records, write_jsonl
+from laminar_common.launch.jobfile import JobFile
+from laminar_common.launch.local import LocalLauncher
+from laminar_common.launch.report import busy_in_window, write_timeline
+from laminar_common.launch.tasks import make_task_records, write_jsonl
 
 MODES = ("sync", "one-step", "laminar")
 

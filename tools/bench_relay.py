@@ -324,8 +324,8 @@ def main() -> int:
     args = p.parse_args()
 
     from laminar_common.etcd import EtcdCoordinator
-    from laminar_common.launcher_etcd import LocalEtcd
-    from laminar_common.relay_client import RelayClient
+    from laminar_common.launch.local_etcd import LocalEtcd
+    from laminar_common.relay.client import RelayClient
 
     size, chunk = args.size_mb * MiB, args.chunk_mb * MiB
     link = int(args.link_mb_s * 1e6)

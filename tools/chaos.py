@@ -45,9 +45,9 @@ from pathlib import Path
 
 from laminar_common.errors import LaminarError
 from laminar_common.etcd import EtcdCoordinator
-from laminar_common.launcher_etcd import LocalEtcd
-from laminar_common.processes import ChildProcess
-from laminar_common.tasks import make_task_records, write_jsonl
+from laminar_common.launch.local_etcd import LocalEtcd
+from laminar_common.launch.processes import ChildProcess
+from laminar_common.launch.tasks import make_task_records, write_jsonl
 
 FAULTS = ("worker-kill", "worker-stop", "relay-kill", "relay-stop", "manager-kill",
           "manager-stop", "trainer-kill", "trainer-stop", "trainer-term", "etcd-pause")

@@ -16,8 +16,8 @@ import sys
 import time
 
 from laminar_common import codec
-from laminar_common.dataplane import decode_chunk_header
 from laminar_common.errors import ProtocolError
+from laminar_common.relay.dataplane import decode_chunk_header
 
 SEEDS = [
     codec.Hello(member_id="w0", role="worker", protocol_version=codec.PROTOCOL_VERSION),
@@ -28,7 +28,7 @@ SEEDS = [
                      response_token_ids=(3, 4), behaviour_logprobs=(-0.5, -1.0), reward=1.0,
                      finish_reason="stop"),
     codec.Ack(trajectory_ids=("p#0", "p#1"), trainer_step=1, trainer_version=1),
-    codec.Command(action="export", trajectory_ids=("p#0",)),
+    codec.ExportTrajectories(trajectory_ids=("p#0",)),
     codec.WorkerReport(worker_id="w0", policy_version=1, active=1, queued=0, max_batch=4,
                        kv_used_tokens=9, kv_capacity_tokens=99),
 ]

@@ -13,7 +13,7 @@ set -euo pipefail
 GRPC_TOOLS_VERSION="1.63.0"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PROTO_ROOT="$ROOT/packages/laminar-common/proto"
-OUT="$ROOT/packages/laminar-common/src/laminar_common/proto"
+OUT="$ROOT/packages/laminar-common/src/laminar_common/relay/proto"
 
 PY="${LAMINAR_PROTOC_PYTHON:-}"
 if [[ -z "$PY" ]]; then

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--task", default="sort", help="laminar_common.tasks.TASKS key")
+    parser.add_argument("--task", default="sort", help="laminar_common.launch.tasks.TASKS key")
     parser.add_argument("--min-len", type=int, default=None, help="sort/reverse: shortest list")
     parser.add_argument("--max-len", type=int, default=None, help="sort/reverse: longest list")
     parser.add_argument("--max-digit", type=int, default=None, help="sort/reverse: largest digit")
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     # Imported here so that --help is instant.
     import torch
 
-    from laminar_common.tasks import TASKS, make_task_records, score_completion
+    from laminar_common.launch.tasks import TASKS, make_task_records, score_completion
     from laminar_trainer.loss import compute_grpo_advantages, compute_policy_loss
     from laminar_trainer.model import (
         compute_token_logprobs,

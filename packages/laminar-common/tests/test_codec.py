@@ -30,7 +30,7 @@ def test_round_trip_every_message_kind():
         codec.Ack(trajectory_ids=("a", "b"), trainer_step=2, trainer_version=2),
         codec.WorkerReport(worker_id="w", policy_version=1, active=2, queued=0, max_batch=8,
                            kv_used_tokens=10, kv_capacity_tokens=100),
-        codec.Command(action="export", trajectory_ids=("x",)),
+        codec.ExportTrajectories(trajectory_ids=("x",)),
         codec.WeightManifest(version=1, total_bytes=8, chunk_bytes=8,
                              tensors=(codec.TensorSpec(name="w", dtype="float32", shape=(2,),
                                                        offset=0, nbytes=8),),

@@ -13,10 +13,10 @@ from cryptography import x509
 from pydantic import ValidationError
 
 from laminar_common.auth import create_keys, etcd_tls_paths
-from laminar_common.cli import main
 from laminar_common.config import AuthConfig, EtcdConfig, LaminarModel, load_config
 from laminar_common.errors import ConfigError
 from laminar_common.etcd import EtcdCoordinator
+from laminar_common.launch.cli import main
 
 
 class TierConfig(LaminarModel):

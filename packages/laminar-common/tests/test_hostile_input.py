@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from laminar_common import codec
 from laminar_common.codec import ChunkSpec, TensorSpec, WeightManifest
 from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig, load_config
-from laminar_common.dataplane import CHUNK_HEADER, decode_chunk_header
 from laminar_common.errors import ConfigError, CoordinationError, ProtocolError
 from laminar_common.membership import decode_member, decode_version
-from laminar_common.weights import validate_manifest
+from laminar_common.relay.dataplane import CHUNK_HEADER, decode_chunk_header
+from laminar_common.relay.manifests import validate_manifest
 
 SETTINGS = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -125,7 +125,8 @@ def test_manifest_validation_never_lets_garbage_through(manifest):
 
 @SETTINGS
 @given(st.sampled_from([codec.Trajectory, codec.PromptTask, codec.Ack, codec.WorkerReport,
-                        codec.WeightManifest, codec.Hello, codec.Command]),
+                        codec.WeightManifest, codec.Hello, codec.PullWeights,
+                        codec.ExportTrajectories, codec.Acked, codec.GenerationRejected]),
        st.dictionaries(st.text(string.ascii_lowercase + "_", max_size=20), json_values,
                        max_size=8))
 def test_structurally_plausible_frames(kind, fields):

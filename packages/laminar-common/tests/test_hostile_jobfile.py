@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from laminar_common.errors import ConfigError
-from laminar_common.launcher import JobFile, load_job
+from laminar_common.launch.jobfile import JobFile, load_job
 from laminar_common.testing import make_loader_tests
 
 GOOD_JOB = """

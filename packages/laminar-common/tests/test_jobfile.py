@@ -3,7 +3,8 @@
 import pytest
 
 from laminar_common.errors import ConfigError
-from laminar_common.launcher import LocalLauncher, load_job
+from laminar_common.launch.jobfile import load_job
+from laminar_common.launch.local import LocalLauncher
 
 
 def _job(tmp_path, relay_extra: str) -> str:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from laminar_common.cli import main
 from laminar_common.errors import LaminarError
-from laminar_common.report import busy_in_window, find_worker_stats, load_metrics, summarize
+from laminar_common.launch.cli import main
+from laminar_common.launch.report import busy_in_window, find_worker_stats, load_metrics, summarize
 
 T0 = 1_700_000_000.0
 """Wall time of the first step's start of waiting (the trainer's ``_t_first_step``)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd
-from laminar_common.relay_client import RelayClient
+from laminar_common.relay.client import RelayClient
 from laminar_relay.config import RelayConfig
 from laminar_relay.service import RelayService, make_relay_service
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import grpc
 from relay_helpers import tensors_for, wait_for
 
-from laminar_common.dataplane import ZmqChunkSender
 from laminar_common.membership import MemberRecord
-from laminar_common.proto import relay_pb2, relay_pb2_grpc
-from laminar_common.relay_wire import manifest_to_proto, protocol_metadata
-from laminar_common.weights import build_manifest, iter_chunks
+from laminar_common.relay.dataplane import ZmqChunkSender
+from laminar_common.relay.manifests import build_manifest, iter_chunks
+from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
+from laminar_common.relay.wire import manifest_to_proto, protocol_metadata
 from laminar_relay.chain import neighbours, order_chain
 from laminar_relay.store import IncomingVersion
 

@@ -1,4 +1,4 @@
-"""laminar_common.dataplane: chunk headers and the ZeroMQ sender/receiver pair."""
+"""laminar_common.relay.dataplane: chunk headers and the ZeroMQ sender/receiver pair."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import time
 import pytest
 import zmq
 
-from laminar_common.dataplane import (
+from laminar_common.errors import ProtocolError, TransportError
+from laminar_common.relay.dataplane import (
     ZmqChunkReceiver,
     ZmqChunkSender,
     decode_chunk_header,
     encode_chunk_header,
     make_chunk_sender,
 )
-from laminar_common.errors import ProtocolError, TransportError
 
 SESSION = bytes(range(16))
 DIGEST = bytes(range(16, 32))

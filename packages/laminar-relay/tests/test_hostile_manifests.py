@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 
 from laminar_common.codec import WeightManifest
 from laminar_common.errors import ProtocolError
-from laminar_common.proto import relay_pb2
-from laminar_common.relay_wire import (
+from laminar_common.relay.manifests import build_manifest, validate_manifest
+from laminar_common.relay.proto import relay_pb2
+from laminar_common.relay.wire import (
     ERROR_METADATA_KEY,
     manifest_from_proto,
     manifest_to_proto,
     protocol_metadata,
 )
-from laminar_common.weights import build_manifest, validate_manifest
 from laminar_relay.buffers import make_allocator
 from laminar_relay.server import RelayServicer
 from laminar_relay.store import WeightStore
@@ -227,7 +227,7 @@ def test_a_non_hex_checksum_in_begin_publish_is_a_protocol_error(servicer):
 
 
 def test_a_huge_claimed_size_is_refused_without_planning_its_chunks(monkeypatch):
-    from laminar_common import weights
+    from laminar_common.relay import manifests as weights
 
     plan = weights.plan_chunks
 

@@ -1,4 +1,4 @@
-"""laminar_common.relay_client against in-process relays."""
+"""laminar_common.relay.client against in-process relays."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from relay_helpers import tensors_for, wait_for
 
 from laminar_common.errors import TransportError
-from laminar_common.relay_wire import VersionNotFoundError
+from laminar_common.relay.wire import VersionNotFoundError
 
 
 def test_fixed_address_client_publishes_fetches_and_reports_latest(make_relay, make_client):

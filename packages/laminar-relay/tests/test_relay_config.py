@@ -76,7 +76,7 @@ def test_help_is_instant_and_imports_nothing_heavy():
 
 def test_relay_modules_import_no_torch():
     code = (
-        "import sys, laminar_relay.service, laminar_relay.cli, laminar_common.relay_client\n"
+        "import sys, laminar_relay.service, laminar_relay.cli, laminar_common.relay.client\n"
         "heavy = ('torch', 'transformers', 'vllm')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
     )

@@ -6,7 +6,7 @@ import threading
 
 from relay_helpers import tensors_for, wait_for
 
-from laminar_common.relay_wire import VersionNotFoundError
+from laminar_common.relay.wire import VersionNotFoundError
 
 
 def holders(relays, version):

@@ -14,10 +14,11 @@ import pytest
 import zmq
 from relay_helpers import tensors_for, wait_for
 
-from laminar_common.dataplane import ZmqChunkSender, encode_chunk_header
 from laminar_common.errors import ProtocolError
-from laminar_common.proto import relay_pb2, relay_pb2_grpc
-from laminar_common.relay_wire import (
+from laminar_common.relay.dataplane import ZmqChunkSender, encode_chunk_header
+from laminar_common.relay.manifests import build_manifest, iter_chunks
+from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
+from laminar_common.relay.wire import (
     ChecksumError,
     NotMasterError,
     OversizedError,
@@ -28,7 +29,6 @@ from laminar_common.relay_wire import (
     manifest_to_proto,
     protocol_metadata,
 )
-from laminar_common.weights import build_manifest, iter_chunks
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from laminar_common.errors import ProtocolError
-from laminar_common.relay_wire import (
+from laminar_common.relay.manifests import build_manifest, iter_chunks
+from laminar_common.relay.wire import (
     ChecksumError,
     CommitTimeoutError,
     OversizedError,
@@ -16,7 +17,6 @@ from laminar_common.relay_wire import (
     VersionConflictError,
     VersionNotFoundError,
 )
-from laminar_common.weights import build_manifest, iter_chunks
 from laminar_relay.buffers import HeapBuffer, make_allocator
 from laminar_relay.store import UnknownSessionError, WeightStore
 

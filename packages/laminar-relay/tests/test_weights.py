@@ -1,4 +1,4 @@
-"""laminar_common.weights: layout, chunking, checksums, reassembly."""
+"""laminar_common.relay.manifests: layout, chunking, checksums, reassembly."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from laminar_common.errors import ProtocolError
-from laminar_common.weights import (
+from laminar_common.relay.manifests import (
     as_named_buffers,
     assemble,
     build_manifest,

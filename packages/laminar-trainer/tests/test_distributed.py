@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from laminar_common.codec import Trajectory
 from laminar_common.errors import LaminarError
-from laminar_common.tasks import make_task_records
+from laminar_common.launch.tasks import make_task_records
 from laminar_trainer.buffer import Group
 from laminar_trainer.checkpoint import latest_checkpoint
 from laminar_trainer.config import TrainerConfig

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from laminar_common.tasks import (
+from laminar_common.launch.tasks import (
     TASK_ALPHABET,
     make_task_records,
     plausible_mistake,

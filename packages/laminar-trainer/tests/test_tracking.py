@@ -14,8 +14,8 @@ import pytest
 
 from laminar_common.codec import Trajectory
 from laminar_common.errors import ConfigError
+from laminar_common.launch.tasks import make_task_records, write_jsonl
 from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd
-from laminar_common.tasks import make_task_records, write_jsonl
 from laminar_common.transport import ZmqPushSender
 from laminar_trainer import cli
 from laminar_trainer import service as service_module

@@ -41,7 +41,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from .errors import ConfigError
+from laminar_common.errors import ConfigError
 
 __all__ = ["CurveAuth", "TlsFiles", "create_keys", "etcd_tls_paths", "grpc_channel",
            "grpc_server_credentials", "REFUSED", "ETCD_CA", "ETCD_CLIENT_CERT", "ETCD_CLIENT_KEY",

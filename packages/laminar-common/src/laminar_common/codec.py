@@ -20,7 +20,7 @@ from typing import Union
 
 import msgspec
 
-from .errors import ProtocolError
+from laminar_common.errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -38,6 +38,10 @@ __all__ = [
     "TrajectoryRejected",
     "WorkerReport",
     "Command",
+    "PullWeights",
+    "ExportTrajectories",
+    "Acked",
+    "GenerationRejected",
     "TensorSpec",
     "ChunkSpec",
     "WeightManifest",
@@ -46,8 +50,10 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 2
-"""2: adds :class:`TrajectoryRejected` (trainer -> manager) and the group watermark
+PROTOCOL_VERSION = 3
+"""3: the stringly ``Command(action=...)`` becomes one tagged struct per command
+(:class:`PullWeights`, :class:`ExportTrajectories`, :class:`Acked`,
+:class:`GenerationRejected`). 2: adds :class:`TrajectoryRejected` (trainer -> manager) and the group watermark
 (``group_seq``, ``settled_below``) of :class:`PromptTask` and :class:`Trajectory`."""
 MAGIC = b"LMNR"
 _HEADER = struct.Struct(">4sH")
@@ -191,19 +197,33 @@ class WorkerReport(_Msg, tag="report"):
     done: tuple[str, ...] = ()
 
 
-class Command(_Msg, tag="command"):
-    """Control between manager and worker.
+class PullWeights(_Msg, tag="pull_weights"):
+    """Manager -> worker: load weight ``version`` once idle (a no-op if not newer)."""
 
-    Manager -> worker: ``pull`` (load weight ``version`` once idle), ``export``
-    (hand ``trajectory_ids`` back for migration), ``acked`` (the trainer durably
-    consumed these; drop them from the outbox). Worker -> manager: ``rejected``
-    (these cannot be generated; ``reason`` says why).
-    """
+    version: int
 
-    action: str
-    trajectory_ids: tuple[str, ...] = ()
-    version: int = -1
+
+class ExportTrajectories(_Msg, tag="export"):
+    """Manager -> worker: hand these unfinished trajectories back for migration."""
+
+    trajectory_ids: tuple[str, ...]
+
+
+class Acked(_Msg, tag="acked"):
+    """Manager -> worker: the trainer durably consumed these; drop them from the outbox."""
+
+    trajectory_ids: tuple[str, ...]
+
+
+class GenerationRejected(_Msg, tag="generation_rejected"):
+    """Worker -> manager: these tasks cannot be generated; ``reason`` says why."""
+
+    trajectory_ids: tuple[str, ...]
     reason: str = ""
+
+
+Command = Union[PullWeights, ExportTrajectories, Acked, GenerationRejected]
+"""The control messages between manager and worker, one tagged struct each."""
 
 
 class TensorSpec(_Msg, tag="tensor"):
@@ -247,7 +267,10 @@ Message = Union[
     Ack,
     TrajectoryRejected,
     WorkerReport,
-    Command,
+    PullWeights,
+    ExportTrajectories,
+    Acked,
+    GenerationRejected,
     WeightManifest,
 ]
 

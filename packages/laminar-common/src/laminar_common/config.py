@@ -23,7 +23,7 @@ import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import ConfigError
+from laminar_common.errors import ConfigError
 
 __all__ = [
     "LaminarModel",
@@ -72,7 +72,7 @@ class LaminarModel(BaseModel):
             etcd = etcd.model_dump()
         if not isinstance(etcd, dict):
             return data
-        from .auth import etcd_tls_for
+        from laminar_common.auth import etcd_tls_for
 
         try:
             tls = etcd_tls_for(auth_dir, etcd)
@@ -177,7 +177,7 @@ class AuthConfig(LaminarModel):
         """The job's CURVE keys, or None when authentication is off."""
         if self.dir is None:
             return None
-        from .auth import CurveAuth
+        from laminar_common.auth import CurveAuth
 
         return CurveAuth.from_dir(self.dir)
 

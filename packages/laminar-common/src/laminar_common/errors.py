@@ -14,6 +14,7 @@ __all__ = [
     "CoordinationError",
     "TransportError",
     "EtcdUnavailableError",
+    "EngineError",
 ]
 
 
@@ -46,3 +47,11 @@ class CoordinationError(LaminarError):
 
 class EtcdUnavailableError(CoordinationError):
     """etcd could not be reached (after the bounded retries, if any)."""
+
+
+class EngineError(LaminarError):
+    """A generation engine refused an operation (bad request, wrong version, busy engine).
+
+    Under :class:`LaminarError` so that a refused weight load or request is
+    handled where every other refusal is, instead of escaping a worker's loop.
+    """

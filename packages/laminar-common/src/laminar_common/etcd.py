@@ -39,11 +39,11 @@ import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc
 
-from .codec import PROTOCOL_VERSION
-from .config import check_etcd_tls
-from .errors import ConfigError, CoordinationError, EtcdUnavailableError
-from .keys import JobKeys
-from .membership import (
+from laminar_common.codec import PROTOCOL_VERSION
+from laminar_common.config import check_etcd_tls
+from laminar_common.errors import ConfigError, CoordinationError, EtcdUnavailableError
+from laminar_common.keys import JobKeys
+from laminar_common.membership import (
     Coordinator,
     MemberRecord,
     MembershipEvent,

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from .codec import PROTOCOL_VERSION
-from .errors import CoordinationError, ProtocolError
-from .keys import JobKeys
+from laminar_common.codec import PROTOCOL_VERSION
+from laminar_common.errors import CoordinationError, ProtocolError
+from laminar_common.keys import JobKeys
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .errors import TransportError
+from laminar_common.errors import TransportError
 
 __all__ = ["Metric", "MetricsServer"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from .errors import LaminarError
+from laminar_common.errors import LaminarError
 
 __all__ = ["StatusWriter"]
 

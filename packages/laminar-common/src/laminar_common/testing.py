@@ -26,8 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from .config import load_config
-from .errors import ConfigError
+from laminar_common.config import load_config
+from laminar_common.errors import ConfigError
 
 __all__ = [
     "assert_names_where",

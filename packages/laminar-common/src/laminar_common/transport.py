@@ -21,6 +21,13 @@ Authentication: pass ``auth`` (a :class:`~laminar_common.auth.CurveAuth`) and
 a binding socket becomes a CURVE server that admits only authorized client
 keys; a connecting socket becomes a CURVE client. Off when ``auth`` is None.
 
+Choosing a transport: services never name a class. They call
+:func:`make_push_sender`, :func:`make_pull_receiver`, :func:`make_server` or
+:func:`make_client` with an address; ``inproc://name`` resolves to the
+in-memory twin (one process, a shared :class:`InprocHub`), anything else
+(``tcp://``, ``ipc://``) to ZeroMQ. So a service's unit test runs over inproc
+by configuring inproc addresses.
+
 Sockets are not thread-safe: each object belongs to the thread that uses it.
 """
 
@@ -37,10 +44,13 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import codec
-from .auth import CurveAuth
-from .codec import Hello, Message, Refused, Welcome
-from .errors import ProtocolError, TransportError
+from laminar_common import codec
+from laminar_common.auth import CurveAuth
+from laminar_common.codec import Hello, Message, Refused, Welcome
+from laminar_common.errors import ProtocolError, TransportError
+
+INPROC = "inproc://"
+"""Addresses with this prefix resolve to the in-memory twin (unit tests, one process)."""
 
 __all__ = [
     "TransportStats",
@@ -57,8 +67,12 @@ __all__ = [
     "InprocPullReceiver",
     "InprocServer",
     "InprocClient",
+    "INPROC",
+    "default_hub",
     "make_push_sender",
     "make_pull_receiver",
+    "make_server",
+    "make_client",
     "flush_and_terminate",
 ]
 
@@ -484,13 +498,14 @@ class InprocHub:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queues: dict[str, queue.Queue[tuple[str, bytes]]] = {}
+        self._servers: dict[str, InprocServer] = {}
         self._count = 0
 
     def bind(self, name: str | None = None) -> tuple[str, queue.Queue[tuple[str, bytes]]]:
         with self._lock:
             if name is None:
                 self._count += 1
-                name = f"inproc-twin://{self._count}"
+                name = f"{INPROC}twin-{self._count}"
             if name in self._queues:
                 raise TransportError(f"cannot bind {name}: address in use")
             q: queue.Queue[tuple[str, bytes]] = queue.Queue()
@@ -506,6 +521,26 @@ class InprocHub:
     def unbind(self, name: str) -> None:
         with self._lock:
             self._queues.pop(name, None)
+            self._servers.pop(name, None)
+
+    def add_server(self, server: InprocServer) -> None:
+        with self._lock:
+            self._servers[server.endpoint] = server
+
+    def server_at(self, name: str) -> InprocServer:
+        with self._lock:
+            server = self._servers.get(name)
+        if server is None:
+            raise TransportError(f"cannot connect to {name}: no server bound there")
+        return server
+
+
+_DEFAULT_HUB = InprocHub()
+
+
+def default_hub() -> InprocHub:
+    """The process-wide hub that ``inproc://`` addresses resolve in."""
+    return _DEFAULT_HUB
 
 
 def _queue_get(q: queue.Queue, timeout_s: float | None):
@@ -573,6 +608,7 @@ class InprocServer(Server):
         self.stats = self._core.stats
         self.peers = self._core.peers
         self._replies: dict[str, queue.Queue[bytes]] = {}
+        hub.add_server(self)
 
     def _attach(self, peer: str) -> queue.Queue[bytes]:
         return self._replies.setdefault(peer, queue.Queue())
@@ -605,10 +641,12 @@ class InprocServer(Server):
 
 
 class InprocClient(Client):
-    def __init__(self, hub: InprocHub, endpoint: str, hello: Hello, server: InprocServer) -> None:
+    def __init__(self, hub: InprocHub, endpoint: str, hello: Hello,
+                 server: InprocServer | None = None) -> None:
         self._q = hub.lookup(endpoint)
         self.endpoint = endpoint
         self.hello = hello
+        server = server if server is not None else hub.server_at(endpoint)
         self._replies = server._attach(hello.member_id)
         self.stats = TransportStats()
         self._rejector = _Rejector(self.stats, f"client {hello.member_id}")
@@ -644,25 +682,60 @@ class InprocClient(Client):
         pass
 
 
-def make_push_sender(endpoint: str, hwm: int = 1000, hub: InprocHub | None = None) -> PushSender:
-    """A sender for ``endpoint``: inproc twin for ``inproc-twin://``, ZeroMQ otherwise."""
-    if endpoint.startswith("inproc-twin://"):
-        if hub is None:
-            raise TransportError(f"{endpoint} needs an InprocHub")
-        return InprocPushSender(hub, endpoint)
-    return ZmqPushSender(endpoint, hwm=hwm)
+def _inproc(endpoint: str, auth: CurveAuth | None, hub: InprocHub | None) -> InprocHub | None:
+    """The hub for an ``inproc://`` endpoint, None for a ZeroMQ one."""
+    if not endpoint.startswith(INPROC):
+        return None
+    if auth is not None:
+        raise TransportError(f"{endpoint}: CURVE auth needs a ZeroMQ endpoint (tcp:// or ipc://)")
+    return hub if hub is not None else _DEFAULT_HUB
 
 
-def make_pull_receiver(endpoint: str, hwm: int = 1000,
+def make_push_sender(endpoint: str, *, hwm: int = 1000, send_timeout_s: float = 30.0,
+                     auth: CurveAuth | None = None, hub: InprocHub | None = None) -> PushSender:
+    """A sender connected to ``endpoint``: the inproc twin for ``inproc://``, else ZeroMQ."""
+    twin = _inproc(endpoint, auth, hub)
+    if twin is not None:
+        return InprocPushSender(twin, endpoint)
+    return ZmqPushSender(endpoint, hwm=hwm, send_timeout_s=send_timeout_s, auth=auth)
+
+
+def make_pull_receiver(endpoint: str = "tcp://127.0.0.1:0", *, hwm: int = 1000,
                        max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
-                       hub: InprocHub | None = None,
-                       expect: type | tuple[type, ...] | None = None) -> PullReceiver:
-    """A receiver bound at ``endpoint`` (inproc twin or ZeroMQ)."""
-    if endpoint.startswith("inproc-twin://"):
-        if hub is None:
-            raise TransportError(f"{endpoint} needs an InprocHub")
-        return InprocPullReceiver(hub, endpoint, max_frame_bytes, expect)
-    return ZmqPullReceiver(endpoint, hwm=hwm, max_frame_bytes=max_frame_bytes, expect=expect)
+                       expect: type | tuple[type, ...] | None = None,
+                       auth: CurveAuth | None = None,
+                       hub: InprocHub | None = None) -> PullReceiver:
+    """A receiver bound at ``endpoint`` (``inproc://name`` or a ZeroMQ address)."""
+    twin = _inproc(endpoint, auth, hub)
+    if twin is not None:
+        return InprocPullReceiver(twin, endpoint, max_frame_bytes, expect)
+    return ZmqPullReceiver(endpoint, hwm=hwm, max_frame_bytes=max_frame_bytes, expect=expect,
+                           auth=auth)
+
+
+def make_server(endpoint: str = "tcp://127.0.0.1:0", *, member_id: str = "server",
+                hwm: int = 1000, max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
+                accept: Callable[[Hello], str | None] = default_accept,
+                send_timeout_s: float = 10.0, auth: CurveAuth | None = None,
+                hub: InprocHub | None = None) -> Server:
+    """A request/response server bound at ``endpoint`` (inproc twin or ZeroMQ ROUTER)."""
+    twin = _inproc(endpoint, auth, hub)
+    if twin is not None:
+        return InprocServer(twin, endpoint, member_id, max_frame_bytes, accept)
+    return ZmqServer(endpoint, member_id=member_id, hwm=hwm, max_frame_bytes=max_frame_bytes,
+                     accept=accept, send_timeout_s=send_timeout_s, auth=auth)
+
+
+def make_client(endpoint: str, hello: Hello, *, hwm: int = 1000,
+                max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
+                send_timeout_s: float = 10.0, auth: CurveAuth | None = None,
+                hub: InprocHub | None = None) -> Client:
+    """A client of the server at ``endpoint`` (inproc twin or ZeroMQ DEALER)."""
+    twin = _inproc(endpoint, auth, hub)
+    if twin is not None:
+        return InprocClient(twin, endpoint, hello)
+    return ZmqClient(endpoint, hello, hwm=hwm, max_frame_bytes=max_frame_bytes,
+                     send_timeout_s=send_timeout_s, auth=auth)
 
 
 def flush_and_terminate() -> None:

@@ -35,11 +35,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
-from laminar_common.dataplane import ChunkSender, make_chunk_sender
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.membership import MemberRecord
-from laminar_common.proto import relay_pb2, relay_pb2_grpc
-from laminar_common.relay_wire import error_from_rpc, manifest_to_proto, protocol_metadata
+from laminar_common.relay.dataplane import ChunkSender, make_chunk_sender
+from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
+from laminar_common.relay.wire import error_from_rpc, manifest_to_proto, protocol_metadata
 
 from .store import WeightStore
 

@@ -22,7 +22,7 @@ from laminar_common.config import (
     MetricsConfig,
 )
 from laminar_common.keys import validate_name
-from laminar_common.weights import MAX_CHUNK_BYTES
+from laminar_common.relay.manifests import MAX_CHUNK_BYTES
 
 __all__ = ["RelayConfig", "StoreConfig", "DataPlaneConfig", "ChainConfig"]
 

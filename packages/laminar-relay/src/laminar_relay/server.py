@@ -28,8 +28,8 @@ import grpc
 
 from laminar_common.codec import PROTOCOL_VERSION, WeightManifest
 from laminar_common.errors import LaminarError, ProtocolError
-from laminar_common.proto import relay_pb2, relay_pb2_grpc
-from laminar_common.relay_wire import (
+from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
+from laminar_common.relay.wire import (
     ERROR_METADATA_KEY,
     PROTOCOL_METADATA_KEY,
     NotMasterError,

@@ -35,7 +35,6 @@ import grpc
 
 from laminar_common.auth import TlsFiles, grpc_channel, grpc_server_credentials
 from laminar_common.codec import PROTOCOL_VERSION, WeightManifest
-from laminar_common.dataplane import ChunkFrame, ZmqChunkReceiver
 from laminar_common.errors import (
     CoordinationError,
     EtcdUnavailableError,
@@ -44,8 +43,9 @@ from laminar_common.errors import (
 )
 from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent, VersionRecord
 from laminar_common.metrics import Metric, MetricsServer
-from laminar_common.proto import relay_pb2, relay_pb2_grpc
-from laminar_common.relay_wire import (
+from laminar_common.relay.dataplane import ChunkFrame, ZmqChunkReceiver
+from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
+from laminar_common.relay.wire import (
     EXTRA_DATA_ENDPOINT,
     EXTRA_STORE,
     MASTER_ELECTION,

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 from laminar_common.codec import ChunkSpec, WeightManifest
 from laminar_common.errors import LaminarError, ProtocolError
-from laminar_common.relay_wire import (
+from laminar_common.relay.manifests import validate_manifest
+from laminar_common.relay.wire import (
     ChecksumError,
     CommitTimeoutError,
     OversizedError,
@@ -43,7 +44,6 @@ from laminar_common.relay_wire import (
     VersionConflictError,
     VersionNotFoundError,
 )
-from laminar_common.weights import validate_manifest
 
 from .buffers import VersionBuffer
 

@@ -36,7 +36,7 @@ def make_worker_service(config):
     """Build a :class:`WorkerService` (engine, tokenizer, relay fetcher) from its config."""
     from laminar_common.auth import TlsFiles
     from laminar_common.etcd import make_coordinator
-    from laminar_common.relay_client import RelayClient
+    from laminar_common.relay.client import RelayClient
 
     from .engines import LogNormalLengths, make_engine
     from .tokenizer import make_tokenizer

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from laminar_common import codec
 from laminar_common.codec import (
-    Command,
     PartialProgress,
     PromptTask,
     SamplingSpec,
@@ -37,7 +36,13 @@ from laminar_common.membership import MemberRecord, MembershipEvent, VersionReco
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
 from laminar_common.status import StatusWriter
-from laminar_common.transport import TransportError, ZmqPullReceiver, ZmqServer
+from laminar_common.transport import (
+    PullReceiver,
+    Server,
+    TransportError,
+    make_pull_receiver,
+    make_server,
+)
 
 from .config import ManagerConfig
 from .ledger import PENDING, TrajectoryLedger
@@ -125,8 +130,8 @@ class ManagerService(Service):
         self._last_log = 0.0
         self._last_ledger_log = 0.0
         self._drained_announced = False
-        self.server: ZmqServer | None = None
-        self.acks: ZmqPullReceiver | None = None
+        self.server: Server | None = None
+        self.acks: PullReceiver | None = None
         self.metrics: MetricsServer | None = None
         self.status: StatusWriter | None = None
 
@@ -161,9 +166,9 @@ class ManagerService(Service):
 
     def _start(self) -> None:
         curve = self.config.auth.curve()
-        self.server = ZmqServer(self.config.listen, member_id=self.config.manager_id, auth=curve)
-        self.acks = ZmqPullReceiver(self.config.ack_listen,
-                                    expect=(codec.Ack, TrajectoryRejected), auth=curve)
+        self.server = make_server(self.config.listen, member_id=self.config.manager_id, auth=curve)
+        self.acks = make_pull_receiver(self.config.ack_listen,
+                                       expect=(codec.Ack, TrajectoryRejected), auth=curve)
         if self.coordinator is None:
             self.coordinator = make_coordinator(self.config.etcd, self.config.job)
         self.status = StatusWriter(self.coordinator, "manager status")
@@ -281,7 +286,7 @@ class ManagerService(Service):
                     if self._place(msg.trajectory_id, dest):
                         self.stats.migrations_placed += 1
                         self.stats.migration_seconds += time.monotonic() - t_export
-        elif isinstance(msg, Command) and msg.action == "rejected":
+        elif isinstance(msg, codec.GenerationRejected):
             for tid in msg.trajectory_ids:
                 if self.ledger.mark_rejected(tid, peer, msg.reason):
                     log.warning("trajectory %s rejected by %s: %s", tid, peer, msg.reason)
@@ -311,12 +316,12 @@ class ManagerService(Service):
             else:
                 unattributed.append(tid)
         for worker, ids in by_worker.items():
-            self._send(worker, Command(action="acked", trajectory_ids=tuple(ids)))
+            self._send(worker, codec.Acked(trajectory_ids=tuple(ids)))
         if unattributed:
             # Acked again, or held by a worker this manager does not know (after a
             # restart): whichever worker keeps a copy in its outbox may drop it.
             for worker in self.workers:
-                self._send(worker, Command(action="acked", trajectory_ids=tuple(unattributed)))
+                self._send(worker, codec.Acked(trajectory_ids=tuple(unattributed)))
 
     def _handle_trainer_rejection(self, msg: TrajectoryRejected) -> None:
         """The trainer refused a trajectory by content: generate it again, or (final)
@@ -327,7 +332,7 @@ class ManagerService(Service):
                         msg.worker_id, "failed for good" if msg.final else "generating it again",
                         msg.reason)
         if msg.worker_id in self.workers:
-            self._send(msg.worker_id, Command(action="acked", trajectory_ids=(msg.trajectory_id,)))
+            self._send(msg.worker_id, codec.Acked(trajectory_ids=(msg.trajectory_id,)))
 
     def _send(self, worker: str, msg: codec.Message) -> bool:
         try:
@@ -430,7 +435,7 @@ class ManagerService(Service):
             plan = plan_barrier(views, required_version(self.config.mode, self.batch), self.latest,
                                 share=-(-batch // len(self.workers)))
         for wid, version in plan.pulls.items():
-            if self._send(wid, Command(action="pull", version=version)):
+            if self._send(wid, codec.PullWeights(version=version)):
                 self.workers[wid].pulling = version
                 self.stats.pulls_commanded += 1
         for wid, n in plan.grants.items():
@@ -484,7 +489,7 @@ class ManagerService(Service):
         t0 = time.monotonic()
         for move in moves:
             ids = tuple(self.ledger.held_by(move.source))
-            if ids and self._send(move.source, Command(action="export", trajectory_ids=ids)):
+            if ids and self._send(move.source, codec.ExportTrajectories(trajectory_ids=ids)):
                 self.stats.repack_migrated += len(ids)
                 for tid in ids:
                     self._migrations[tid] = (move.destination, t0)

@@ -11,11 +11,11 @@ cursor (epoch, position) is all the state needed to resume.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from laminar_common.errors import ConfigError
+from laminar_common.jsonl import iter_jsonl
 
 __all__ = ["PromptRecord", "load_prompt_file", "PromptCursor"]
 
@@ -57,24 +57,8 @@ def load_prompt_file(path: str | Path) -> list[PromptRecord]:
         raise ConfigError(f"prompt file {str(p)!r} does not exist")
     records: list[PromptRecord] = []
     if p.suffix in (".jsonl", ".json"):
-        # surrogateescape: a bad byte surfaces on its own line (checked below), not
-        # wherever the decoder's read-ahead happens to be.
-        with p.open(encoding="utf-8", errors="surrogateescape") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                where = f"{p}:{lineno}"
-                try:
-                    line.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise ConfigError(f"{where}: not valid UTF-8 (column {exc.start + 1})") from exc
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{where}: not valid JSON: {exc.msg}") from exc
-                except (ValueError, RecursionError) as exc:  # a huge number, deep nesting
-                    raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
-                records.append(_record(obj, where))
+        for where, obj in iter_jsonl(p):
+            records.append(_record(obj, where))
     elif p.suffix == ".parquet":
         try:
             import pyarrow as pa

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from laminar_common.errors import ConfigError
-from laminar_common.tasks import score_completion, score_exact_answer
+from laminar_common.launch.tasks import score_completion, score_exact_answer
 
 __all__ = ["RewardFn", "load_reward_fn", "score", "synthetic_task", "exact_answer"]
 

@@ -9,8 +9,8 @@ the worker releases the relay's reader lease once the engine copied them.
 from __future__ import annotations
 
 from laminar_common.errors import ProtocolError, TransportError
-from laminar_common.relay_client import RelayClient
-from laminar_common.relay_wire import VersionNotFoundError
+from laminar_common.relay.client import RelayClient
+from laminar_common.relay.wire import VersionNotFoundError
 
 from .worker import FetchedVersion, WeightFetcher
 

@@ -35,13 +35,13 @@ from typing import Any
 import msgspec
 
 from laminar_common import codec
-from laminar_common.codec import Command, PartialProgress, PromptTask, Trajectory, WorkerReport
+from laminar_common.codec import PartialProgress, PromptTask, Trajectory, WorkerReport
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
-from laminar_common.transport import ZmqClient, ZmqPushSender
+from laminar_common.transport import Client, PushSender, make_client, make_push_sender
 
 from .config import WorkerConfig
 from .engines import EngineError, GenerationEngine, GenerationOutput, GenerationRequest
@@ -90,13 +90,13 @@ class WorkerService(Service):
         self.fetch_weights = fetch_weights
         self.reward_fn = reward_fn or load_reward_fn(config.reward)
         self.coordinator = coordinator
-        self.manager: ZmqClient | None = None
+        self.manager: Client | None = None
         self._manager_key: tuple[str, float] | None = None
         self._manager_rec: MemberRecord | None = None
         self._rejoin_to: MemberRecord | None = None
         self.metrics: MetricsServer | None = None
         self._curve = config.auth.curve()
-        self.trainer: ZmqPushSender | None = None
+        self.trainer: PushSender | None = None
         self._trainer_key: tuple[str, float] | None = None
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._tasks: dict[str, PromptTask] = {}
@@ -149,7 +149,7 @@ class WorkerService(Service):
                                     protocol_version=codec.PROTOCOL_VERSION,
                                     package_version=__version__,
                                     capacity=self.engine.load().max_batch)
-                client = ZmqClient(rec.address, hello, auth=self._curve)
+                client = make_client(rec.address, hello, auth=self._curve)
                 try:
                     client.connect(timeout_s=10)
                 except TransportError:
@@ -326,7 +326,7 @@ class WorkerService(Service):
             return
         if self.trainer is not None:
             self.trainer.close(linger_s=0)
-        self.trainer = ZmqPushSender(record.address, send_timeout_s=5, auth=self._curve)
+        self.trainer = make_push_sender(record.address, send_timeout_s=5, auth=self._curve)
         self._trainer_key = record.incarnation
         self.counters["trainer_switches"] += 1
         log.info("trainer %s at %s; re-sending %d unacked trajectories", record.member_id,
@@ -356,20 +356,17 @@ class WorkerService(Service):
                 self._add(msg)
             else:
                 self._fresh.append(msg)
-        elif isinstance(msg, Command):
-            if msg.action == "pull":
-                if msg.version > self.engine.weight_version:
-                    self._pull = max(self._pull or -1, msg.version)
-                else:
-                    self._report(force=True)
-            elif msg.action == "export":
-                self._export(msg.trajectory_ids)
-            elif msg.action == "acked":
-                for tid in msg.trajectory_ids:
-                    self.outbox.pop(tid, None)
-                    self._resend_at.pop(tid, None)
+        elif isinstance(msg, codec.PullWeights):
+            if msg.version > self.engine.weight_version:
+                self._pull = max(self._pull or -1, msg.version)
             else:
-                log.warning("unknown command %r from manager", msg.action)
+                self._report(force=True)
+        elif isinstance(msg, codec.ExportTrajectories):
+            self._export(msg.trajectory_ids)
+        elif isinstance(msg, codec.Acked):
+            for tid in msg.trajectory_ids:
+                self.outbox.pop(tid, None)
+                self._resend_at.pop(tid, None)
         elif isinstance(msg, codec.Refused):
             self._rejoin(f"the manager does not know this worker ({msg.reason})",
                          known=self._manager_rec)
@@ -396,7 +393,7 @@ class WorkerService(Service):
             self.engine.add_request(request)
         except (EngineError, ValueError) as exc:
             self.counters["rejected"] += 1
-            self.manager.send(Command(action="rejected", trajectory_ids=(task.trajectory_id,),
+            self.manager.send(codec.GenerationRejected(trajectory_ids=(task.trajectory_id,),
                                       reason=str(exc)))
             return
         self._tasks[task.trajectory_id] = task

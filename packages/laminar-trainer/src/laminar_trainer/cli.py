@@ -47,7 +47,7 @@ def _warmstart(args) -> int:
 
     import torch
 
-    from laminar_common.tasks import parse_difficulty
+    from laminar_common.launch.tasks import parse_difficulty
 
     from .warmstart import DEFAULT_WARM_START_STEPS, warm_start
 

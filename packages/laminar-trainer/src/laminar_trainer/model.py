@@ -4,7 +4,7 @@ This module owns everything needed to produce, offline and in code, a model
 directory that the rest of Laminar loads like any Hugging Face checkpoint:
 
 - ``build_tokenizer``: a character-level ``PreTrainedTokenizerFast`` over
-  ``laminar_common.tasks.TASK_ALPHABET`` plus ``<pad>``, ``<bos>``, ``<eos>``
+  ``laminar_common.launch.tasks.TASK_ALPHABET`` plus ``<pad>``, ``<bos>``, ``<eos>``
   and ``<unk>``. Encoding a text prepends ``<bos>``; there are no merges, so
   ``encode(prompt + answer) == encode(prompt) + chars(answer)``.
 - ``build_tiny_model``: a randomly initialised (seeded) ``LlamaForCausalLM``.
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from laminar_common.tasks import (
+from laminar_common.launch.tasks import (
     TASK_ALPHABET,
     score_completion,
 )

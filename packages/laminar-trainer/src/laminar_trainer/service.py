@@ -46,7 +46,7 @@ from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.service import Service
 from laminar_common.status import StatusWriter
-from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
+from laminar_common.transport import PullReceiver, PushSender, make_pull_receiver, make_push_sender
 
 from .buffer import Added, ConsumedIds, ExperienceBuffer, Group
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -92,13 +92,13 @@ class TrainerService(Service):
             capacity=config.buffer.capacity, policy=config.buffer.policy,
             max_staleness=config.buffer.max_staleness, stale_action=config.buffer.stale_action,
             downweight=config.buffer.downweight)
-        self.receiver: ZmqPullReceiver | None = None
+        self.receiver: PullReceiver | None = None
         self.publisher: WeightPublisher | None = None
         self.metrics: MetricsServer | None = None
         self.trackers = MultiTracker()
         self._curve = config.auth.curve()
         self._last_metrics: dict = {}
-        self._acker: ZmqPushSender | None = None
+        self._acker: PushSender | None = None
         self._acker_key: tuple[str, float] | None = None
         self._manager_rec: MemberRecord | None = None
         """The newest manager record seen by the watch (acks never look it up in etcd)."""
@@ -140,7 +140,7 @@ class TrainerService(Service):
         self.status = StatusWriter(self.coordinator, "trainer status")
         if self.publish_fn is None:
             from laminar_common.auth import TlsFiles
-            from laminar_common.relay_client import RelayClient
+            from laminar_common.relay.client import RelayClient
 
             tls = TlsFiles.client_from_dir(cfg.auth.dir) if cfg.auth.dir else None
             client = RelayClient(self.coordinator, client_id=cfg.trainer_id, tls=tls)
@@ -155,7 +155,7 @@ class TrainerService(Service):
             # versions only move forward, and workers must leave rolled-back weights.
             self.version = max(self.version, published) + 1
         self._publish(initial=True)
-        self.receiver = ZmqPullReceiver(cfg.listen, expect=Trajectory, auth=self._curve)
+        self.receiver = make_pull_receiver(cfg.listen, expect=Trajectory, auth=self._curve)
         extra = {"step": str(self.step)}
         if cfg.metrics.port is not None:
             self.metrics = MetricsServer("trainer", cfg.job, cfg.trainer_id, self._metrics)
@@ -594,7 +594,7 @@ class TrainerService(Service):
             if rec is None:
                 log.warning("no manager registered: %s wait", what)
                 return False
-            self._acker = ZmqPushSender(rec.extra["ack"], send_timeout_s=10, auth=self._curve)
+            self._acker = make_push_sender(rec.extra["ack"], send_timeout_s=10, auth=self._curve)
             self._acker_key = rec.incarnation
         try:
             self._acker.send(msg)
@@ -610,7 +610,7 @@ class TrainerService(Service):
             self._acker = None
 
     def _evaluate(self) -> float:
-        from laminar_common.tasks import read_jsonl
+        from laminar_common.jsonl import read_jsonl
 
         records = read_jsonl(self.config.eval.prompts)[: self.config.eval.limit]
         budget = self.config.eval.max_new_tokens

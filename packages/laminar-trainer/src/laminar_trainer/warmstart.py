@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from laminar_common.tasks import make_task_records, plausible_mistake
+from laminar_common.launch.tasks import make_task_records, plausible_mistake
 
 from .model import (
     DEFAULT_MODEL_SIZES,
@@ -189,7 +189,7 @@ def warm_start(
 
     Args:
         out_dir: directory to write (created if missing).
-        task: a ``laminar_common.tasks.TASKS`` key.
+        task: a ``laminar_common.launch.tasks.TASKS`` key.
         steps: supervised steps, or the most of them with ``target_accuracy``
             (0 saves the random init).
         seed: seeds the model init, the training data and the eval data.
@@ -204,7 +204,7 @@ def warm_start(
         n_eval: number of held-out records to measure greedy accuracy on.
         demo_error_rate: fraction of the training demonstrations whose answer
             is replaced by the task's plausible mistake
-            (``laminar_common.tasks.plausible_mistake``), drawn with a fixed
+            (``laminar_common.launch.tasks.plausible_mistake``), drawn with a fixed
             RNG. Above 0.5 the greedy policy mostly makes that mistake while
             sampling still finds the right answer, which is the situation RL
             with a verifiable reward corrects (the demo's setting).

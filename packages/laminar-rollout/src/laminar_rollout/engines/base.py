@@ -48,6 +48,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from laminar_common.errors import EngineError
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,10 +57,6 @@ FinishReason = Literal["stop", "length", "aborted"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "aborted")
 
 _MAX_SEED = 2**63 - 1
-
-
-class EngineError(Exception):
-    """A generation engine refused an operation (bad request, wrong version, busy engine)."""
 
 
 def _is_int(value: object) -> bool:

@@ -13,13 +13,13 @@ import socket
 
 from pydantic import Field
 
-from .codec import PROTOCOL_VERSION
-from .config import EtcdConfig, LaminarModel, LoggingConfig
-from .etcd import make_coordinator
-from .membership import MemberRecord, MembershipEvent
-from .service import Service
-from .transport import ZmqPullReceiver
-from .version import __version__
+from laminar_common.codec import PROTOCOL_VERSION
+from laminar_common.config import EtcdConfig, LaminarModel, LoggingConfig
+from laminar_common.etcd import make_coordinator
+from laminar_common.membership import MemberRecord, MembershipEvent
+from laminar_common.service import Service
+from laminar_common.transport import PullReceiver, make_pull_receiver
+from laminar_common.version import __version__
 
 __all__ = ["MemberConfig", "MemberService"]
 
@@ -54,10 +54,10 @@ class MemberService(Service):
         super().__init__()
         self.config = config
         self.coordinator = None
-        self.receiver: ZmqPullReceiver | None = None
+        self.receiver: PullReceiver | None = None
 
     def _start(self) -> None:
-        self.receiver = ZmqPullReceiver(self.config.listen)
+        self.receiver = make_pull_receiver(self.config.listen)
         self.coordinator = make_coordinator(self.config.etcd, self.config.job)
         self.coordinator.watch_members(self._on_member)
         self.coordinator.register(MemberRecord(

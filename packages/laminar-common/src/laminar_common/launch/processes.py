@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .errors import LaminarError
+from laminar_common.errors import LaminarError
 
 __all__ = ["ChildProcess"]
 

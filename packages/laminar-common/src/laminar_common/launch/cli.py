@@ -81,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .errors import LaminarError
-    from .logs import setup_logging
+    from laminar_common.errors import LaminarError
+    from laminar_common.logs import setup_logging
 
     try:
         if args.cmd == "etcd":
@@ -91,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_member(args, setup_logging)
         if args.cmd == "demo":
             setup_logging("WARNING")
-            from .demo import run_demo
+            from laminar_common.launch.demo import run_demo
 
             return run_demo(args.members, args.ttl)
         if args.cmd == "up":
             setup_logging("WARNING")
-            from .launcher import run_job
+            from laminar_common.launch.up import run_job
 
             return run_job(args.job, args.set, args.backend, args.ray_address, args.num_cpus)
         if args.cmd == "report":
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "prompts":
             return _cmd_prompts(args)
         if args.cmd == "keys":
-            from .auth import create_keys
+            from laminar_common.auth import create_keys
 
             etcd = args.etcd or bool(args.etcd_host)
             out = create_keys(args.out, etcd_hosts=args.etcd_host if etcd else None)
@@ -128,12 +128,12 @@ def _cmd_etcd(args, setup_logging) -> int:
     import signal
     import threading
 
-    from .launcher_etcd import LocalEtcd
+    from laminar_common.launch.local_etcd import LocalEtcd
 
     setup_logging("INFO")
     mutual = False
     if args.auth_dir:
-        from .auth import etcd_tls_paths
+        from laminar_common.auth import etcd_tls_paths
 
         mutual = "client_cert" in etcd_tls_paths(args.auth_dir)
     etcd = LocalEtcd(data_dir=args.data_dir, port=args.port, tls_dir=args.auth_dir,
@@ -152,19 +152,19 @@ def _cmd_etcd(args, setup_logging) -> int:
 
 
 def _cmd_member(args, setup_logging) -> int:
-    from .config import dump_config, load_config
-    from .member import MemberConfig, MemberService
+    from laminar_common.config import dump_config, load_config
+    from laminar_common.launch.member import MemberConfig, MemberService
 
     config = load_config(MemberConfig, args.config, args.set)
     setup_logging(config.logging.level, config.job, config.member_id, config.logging.json_format)
     import logging
 
-    logging.getLogger("laminar_common.cli").info("resolved config:\n%s", dump_config(config))
+    logging.getLogger("laminar_common.launch.cli").info("resolved config:\n%s", dump_config(config))
     return MemberService(config).run_forever()
 
 
 def _cmd_report(args) -> int:
-    from .report import find_worker_stats, load_metrics, summarize, write_plots
+    from laminar_common.launch.report import find_worker_stats, load_metrics, summarize, write_plots
 
     rows, summary = load_metrics(args.run_dir)
     print(summarize(rows, summary))
@@ -178,7 +178,7 @@ def _cmd_report(args) -> int:
 def _cmd_prompts(args) -> int:
     from pathlib import Path
 
-    from .tasks import make_task_records, parse_difficulty, write_jsonl
+    from laminar_common.launch.tasks import make_task_records, parse_difficulty, write_jsonl
 
     try:
         records = make_task_records(args.task, args.n, args.seed, split=args.split,
@@ -198,8 +198,8 @@ def _cmd_prompts(args) -> int:
 def _cmd_status(args) -> int:
     import json
 
-    from .auth import etcd_tls_for
-    from .etcd import EtcdCoordinator
+    from laminar_common.auth import etcd_tls_for
+    from laminar_common.etcd import EtcdCoordinator
 
     tls = {"ca_cert": args.etcd_ca, "client_cert": args.etcd_cert, "client_key": args.etcd_key}
     tls.update(etcd_tls_for(args.auth_dir, tls))  # the tiers' rule

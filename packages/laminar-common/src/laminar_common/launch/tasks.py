@@ -61,7 +61,6 @@ __all__ = [
     "find_overlap",
     "make_task_records",
     "parse_difficulty",
-    "read_jsonl",
     "plausible_mistake",
     "score_completion",
     "score_exact_answer",
@@ -409,24 +408,3 @@ def write_jsonl(path: str | Path, records: Iterable[Mapping[str, Any]]) -> int:
             f.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
             count += 1
     return count
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read a JSON-lines file (blank lines skipped).
-
-    Raises:
-        ValueError: a line is not a JSON object; the message names file and line.
-    """
-    records = []
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {exc}") from exc
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            records.append(record)
-    return records

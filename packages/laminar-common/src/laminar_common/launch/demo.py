@@ -14,10 +14,10 @@ import tempfile
 import threading
 import time
 
-from .etcd import EtcdCoordinator
-from .launcher_etcd import LocalEtcd
-from .membership import MembershipEvent
-from .processes import ChildProcess
+from laminar_common.etcd import EtcdCoordinator
+from laminar_common.launch.local_etcd import LocalEtcd
+from laminar_common.launch.processes import ChildProcess
+from laminar_common.membership import MembershipEvent
 
 __all__ = ["run_demo"]
 
@@ -48,7 +48,7 @@ def run_demo(n_members: int = 3, ttl_s: int = 3, job: str = "demo") -> int:
         watcher.watch_members(on_event)
         members = []
         for i in range(n_members):
-            cmd = [sys.executable, "-m", "laminar_common.cli", "member",
+            cmd = [sys.executable, "-m", "laminar_common.launch.cli", "member",
                    "--set", f"job={job}", "--set", f"member_id=probe-{i}",
                    "--set", f"etcd.endpoints=[{etcd.endpoint}]", "--set", f"etcd.ttl_s={ttl_s}"]
             members.append(ChildProcess(f"probe-{i}", cmd, f"{workdir}/probe-{i}.log"))

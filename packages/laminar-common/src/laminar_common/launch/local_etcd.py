@@ -25,14 +25,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .auth import (
+from laminar_common.auth import (
     ETCD_CA,
     ETCD_CLIENT_CERT,
     ETCD_CLIENT_KEY,
     ETCD_SERVER_CERT,
     ETCD_SERVER_KEY,
 )
-from .errors import LaminarError
+from laminar_common.errors import LaminarError
 
 __all__ = ["LocalEtcd", "find_etcd_binary", "free_port"]
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import LaminarError
+from laminar_common.errors import LaminarError
+from laminar_common.jsonl import iter_jsonl
 
 __all__ = ["load_metrics", "summarize", "write_plots", "write_timeline", "find_worker_stats",
            "busy_in_window"]
@@ -46,13 +47,8 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     if not path.is_file():
         raise LaminarError(f"{run} has no metrics.jsonl: is it a trainer run_dir?")
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise LaminarError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
-            rows.append(_checked(row, _ROW_FIELDS, f"{path}:{lineno}"))
+    for where, row in iter_jsonl(path):
+        rows.append(_checked(row, _ROW_FIELDS, where))
     summary_path = run / "summary.json"
     summary: dict = {}
     if summary_path.is_file():

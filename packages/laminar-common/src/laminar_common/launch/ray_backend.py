@@ -19,7 +19,7 @@ includes the ``wait_for`` tier, whose exit with 0 ends the run.
 etcd: the embedded etcd listens on this machine's loopback, which is right
 for a single-node Ray; a multi-node cluster needs ``etcd.endpoints`` that
 every node can reach. It serves TLS exactly as with the local backend (the
-tiers' ``auth.dir``; see :mod:`laminar_common.launcher`).
+tiers' ``auth.dir``; see :mod:`laminar_common.launch.local`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import LaminarError
-from .launcher import JobFile, LocalLauncher, _fill
+from laminar_common.errors import LaminarError
+from laminar_common.launch.jobfile import JobFile, fill_placeholders
+from laminar_common.launch.local import LocalLauncher
 
 __all__ = ["RayLauncher"]
 
@@ -47,7 +48,7 @@ def _actor_class(ray):
 
             import ray
 
-            from laminar_common.processes import ChildProcess
+            from laminar_common.launch.processes import ChildProcess
 
             self.name = name
             if ray.get_runtime_context().was_current_actor_reconstructed:
@@ -209,7 +210,7 @@ class RayLauncher(LocalLauncher):
             for s, h in previous.items():
                 signal.signal(s, h)
             if self.job.report:
-                self._report(_fill(self.job.report, self.subs))
+                self._report(fill_placeholders(self.job.report, self.subs))
 
     def stop_all(self) -> None:
         for name, actor in reversed(self.actors):

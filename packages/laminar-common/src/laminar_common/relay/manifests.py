@@ -31,8 +31,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .codec import ChunkSpec, TensorSpec, WeightManifest
-from .errors import ProtocolError
+from laminar_common.codec import ChunkSpec, TensorSpec, WeightManifest
+from laminar_common.errors import ProtocolError
 
 __all__ = [
     "DTYPE_ITEMSIZE",

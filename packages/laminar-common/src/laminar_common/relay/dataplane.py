@@ -38,8 +38,8 @@ from typing import Any
 
 import zmq
 
-from .codec import PROTOCOL_VERSION
-from .errors import ProtocolError, TransportError
+from laminar_common.codec import PROTOCOL_VERSION
+from laminar_common.errors import ProtocolError, TransportError
 
 __all__ = [
     "CHUNK_HEADER",

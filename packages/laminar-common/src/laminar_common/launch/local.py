@@ -39,7 +39,6 @@ order on exit, failure or Ctrl-C — only the pids this launcher started.
 from __future__ import annotations
 
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -49,91 +48,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field
 
-from .auth import ETCD_CA, ETCD_TLS_FIELDS, etcd_tls_for
-from .config import LaminarModel
-from .errors import ConfigError, LaminarError
-from .launcher_etcd import LocalEtcd
-from .processes import ChildProcess
+from laminar_common.auth import ETCD_CA, ETCD_TLS_FIELDS, etcd_tls_for
+from laminar_common.errors import ConfigError, LaminarError
+from laminar_common.launch.jobfile import JobFile, TierSpec, fill_placeholders
+from laminar_common.launch.local_etcd import LocalEtcd
+from laminar_common.launch.processes import ChildProcess
 
-__all__ = ["JobFile", "TierSpec", "LocalLauncher", "run_job"]
+__all__ = ["LocalLauncher"]
 
 log = logging.getLogger(__name__)
-
-
-class EtcdSpec(LaminarModel):
-    """Where the job's etcd is."""
-
-    embedded: bool = True
-    """Start a local etcd in <run_dir>/etcd for the job's lifetime."""
-    endpoints: tuple[str, ...] = ()
-    """Use an existing etcd (host:port) instead."""
-    ttl_s: int = Field(default=5, ge=2)
-    """Lease TTL given to every tier."""
-
-
-class TierSpec(LaminarModel):
-    """One tier: its CLI, how many replicas, its config."""
-
-    command: tuple[str, ...]
-    """The tier's entry point and sub-command, e.g. [laminar-relay, serve]."""
-    replicas: int = Field(default=1, ge=-1)
-    """Processes to start; -1: one per node (Ray backend: per alive Ray node; local: 1)."""
-    max_restarts: int = Field(default=-1, ge=-1)
-    """Ray backend: times Ray restarts a replica that failed (-1: without limit)."""
-    restart_args: tuple[str, ...] = ()
-    """Ray backend: CLI arguments added when a failed replica is started again, e.g.
-    [--resume] for the trainer (checkpoint.dir) or the manager (state_dir)."""
-    config: dict[str, Any] = {}
-    """The tier's config (written to a YAML file per replica)."""
-    id_field: str | None = None
-    """Config field set to the replica name (e.g. worker_id) when replicas > 1."""
-    args: tuple[str, ...] = ()
-    """Extra CLI arguments."""
-    ready: str | None = None
-    """Output line (regex) that tells the replica is up; the next tier waits for it."""
-    resources: dict[str, float] = {}
-    """Ray backend: resources each replica needs (e.g. {GPU: 1})."""
-
-
-class JobFile(LaminarModel):
-    """A whole stack."""
-
-    job: str
-    """Job name (etcd key prefix)."""
-    run_dir: str = "runs/{job}"
-    """Where logs, configs, metrics and checkpoints go."""
-    etcd: EtcdSpec = EtcdSpec()
-    """etcd."""
-    setup: tuple[tuple[str, ...], ...] = ()
-    """Commands run before the tiers (each must exit 0)."""
-    tiers: dict[str, TierSpec]
-    """Tiers in start order."""
-    wait_for: str
-    """The tier whose exit ends the run."""
-    timeout_s: float = Field(default=3600, gt=0)
-    """Stop everything after this long."""
-    report: str | None = None
-    """A trainer run_dir to summarize and plot when the run ends (laminar report)."""
-
-
-def _fill(value: Any, subs: dict[str, str]) -> Any:
-    if isinstance(value, str):
-        for key, sub in subs.items():
-            value = value.replace("{" + key + "}", sub)
-        return value
-    if isinstance(value, dict):
-        return {k: _fill(v, subs) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_fill(v, subs) for v in value]
-    return value
-
-
-def load_job(path: str | os.PathLike[str], overrides: list[str] = ()) -> JobFile:
-    from .config import load_config
-
-    return load_config(JobFile, path, overrides, env={})
 
 
 class LocalLauncher:
@@ -141,7 +65,7 @@ class LocalLauncher:
 
     def __init__(self, job: JobFile, echo: bool = True) -> None:
         self.job = job
-        self.run_dir = Path(_fill(job.run_dir, {"job": job.job}))
+        self.run_dir = Path(fill_placeholders(job.run_dir, {"job": job.job}))
         self.subs = {"run_dir": str(self.run_dir), "job": job.job}
         self.children: list[ChildProcess] = []
         self.etcd: LocalEtcd | None = None
@@ -219,7 +143,7 @@ class LocalLauncher:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for i, cmd in enumerate(self.job.setup):
-            argv = _fill(list(cmd), self.subs)
+            argv = fill_placeholders(list(cmd), self.subs)
             self._say("setup: " + shlex.join(argv))
             t0 = time.monotonic()
             child = ChildProcess(f"setup-{i}", _resolve(argv), str(logs / f"setup-{i}.log"))
@@ -244,7 +168,7 @@ class LocalLauncher:
         """A replica's name, its substitutions and its config as the job file gives it."""
         name = tier if spec.replicas == 1 else f"{tier}-{index}"
         subs = dict(self.subs, name=name, index=str(index))
-        return name, subs, _fill(dict(spec.config), subs)
+        return name, subs, fill_placeholders(dict(spec.config), subs)
 
     def replica_argv(self, tier: str, spec: TierSpec, index: int) -> tuple[str, list[str]]:
         name, subs, config = self._replica(tier, spec, index)
@@ -260,7 +184,7 @@ class LocalLauncher:
         cfg_path = cfg_dir / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
         argv = _resolve(list(spec.command)) + ["--config", str(cfg_path)] + \
-            _fill(list(spec.args), subs)
+            fill_placeholders(list(spec.args), subs)
         return name, argv
 
     def start_tiers(self) -> dict[str, list[ChildProcess]]:
@@ -327,11 +251,16 @@ class LocalLauncher:
                 signal.signal(s, h)
             # After the stop: workers write their timelines (stats_path) on exit.
             if self.job.report:
-                self._report(_fill(self.job.report, self.subs))
+                self._report(fill_placeholders(self.job.report, self.subs))
 
 
     def _report(self, run_dir: str) -> None:
-        from .report import find_worker_stats, load_metrics, summarize, write_plots
+        from laminar_common.launch.report import (
+            find_worker_stats,
+            load_metrics,
+            summarize,
+            write_plots,
+        )
 
         try:
             rows, summary = load_metrics(run_dir)
@@ -376,20 +305,8 @@ def _etcd_tls_of(tier: str, config: dict[str, Any]) -> tuple[dict[str, str], str
 
 def _resolve(argv: list[str]) -> list[str]:
     """Run the tiers' console scripts with this interpreter when they are ours."""
-    scripts = {"laminar": "laminar_common.cli", "laminar-relay": "laminar_relay.cli",
+    scripts = {"laminar": "laminar_common.launch.cli", "laminar-relay": "laminar_relay.cli",
                "laminar-rollout": "laminar_rollout.cli", "laminar-trainer": "laminar_trainer.cli"}
     if argv and argv[0] in scripts:
         return [sys.executable, "-m", scripts[argv[0]], *argv[1:]]
     return argv
-
-
-def run_job(path: str, overrides: list[str] = (), backend: str = "local",
-            ray_address: str | None = None, num_cpus: int | None = None) -> int:
-    job = load_job(path, list(overrides))
-    if backend == "ray":
-        from .launcher_ray import run_on_ray
-
-        return run_on_ray(job, ray_address, num_cpus)
-    if backend != "local":
-        raise ConfigError(f"backend {backend!r}: use local or ray")
-    return LocalLauncher(job).run()

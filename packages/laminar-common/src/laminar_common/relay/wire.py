@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import grpc
 
-from .codec import PROTOCOL_VERSION, ChunkSpec, TensorSpec, WeightManifest
-from .errors import (
+from laminar_common.codec import PROTOCOL_VERSION, ChunkSpec, TensorSpec, WeightManifest
+from laminar_common.errors import (
     ConfigError,
     CoordinationError,
     EtcdUnavailableError,
@@ -30,7 +30,7 @@ from .errors import (
     ProtocolError,
     TransportError,
 )
-from .proto import relay_pb2
+from laminar_common.relay.proto import relay_pb2
 
 __all__ = [
     "RELAY_ROLE",

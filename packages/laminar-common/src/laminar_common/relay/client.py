@@ -47,29 +47,18 @@ from typing import Any
 
 import grpc
 
-from .auth import TlsFiles, grpc_channel
-from .codec import ChunkSpec, WeightManifest
-from .dataplane import ChunkSender, make_chunk_sender
-from .errors import (
+from laminar_common.auth import TlsFiles, grpc_channel
+from laminar_common.codec import ChunkSpec, WeightManifest
+from laminar_common.errors import (
     CoordinationError,
     EtcdUnavailableError,
     LaminarError,
     ProtocolError,
     TransportError,
 )
-from .membership import Coordinator, VersionRecord
-from .proto import relay_pb2, relay_pb2_grpc
-from .relay_wire import (
-    MASTER_ELECTION,
-    RELAY_ROLE,
-    NotMasterError,
-    VersionNotFoundError,
-    error_from_rpc,
-    manifest_from_proto,
-    manifest_to_proto,
-    protocol_metadata,
-)
-from .weights import (
+from laminar_common.membership import Coordinator, VersionRecord
+from laminar_common.relay.dataplane import ChunkSender, make_chunk_sender
+from laminar_common.relay.manifests import (
     DEFAULT_ALIGNMENT,
     DEFAULT_CHUNK_BYTES,
     ChunkPayload,
@@ -83,6 +72,17 @@ from .weights import (
     validate_manifest,
     verify_buffer,
     verify_chunk,
+)
+from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
+from laminar_common.relay.wire import (
+    MASTER_ELECTION,
+    RELAY_ROLE,
+    NotMasterError,
+    VersionNotFoundError,
+    error_from_rpc,
+    manifest_from_proto,
+    manifest_to_proto,
+    protocol_metadata,
 )
 
 __all__ = ["RelayClient", "PublishResult", "FetchedWeights", "RelayHealth", "RelayRef"]
@@ -397,7 +397,7 @@ class RelayClient:
         Args:
             version: the new version; must be greater than the published one.
             tensors: ``(name, dtype, shape, buffer)`` tuples or
-                :class:`~laminar_common.weights.NamedBuffer` s; buffers must
+                :class:`~laminar_common.relay.manifests.NamedBuffer` s; buffers must
                 stay unchanged until this returns.
             trainer_step: recorded with the version.
 

@@ -1,0 +1,89 @@
+"""The job file of ``laminar up``: what a stack is (see :mod:`laminar_common.launch.local`).
+
+Owns the schema (:class:`JobFile`, :class:`TierSpec`, :class:`EtcdSpec`),
+loading it with ``--set`` overrides and ``{run_dir}``-style placeholders.
+Both launchers import it; it imports neither.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import Field
+
+from laminar_common.config import LaminarModel, load_config
+
+__all__ = ["EtcdSpec", "TierSpec", "JobFile", "load_job", "fill_placeholders"]
+
+
+class EtcdSpec(LaminarModel):
+    """Where the job's etcd is."""
+
+    embedded: bool = True
+    """Start a local etcd in <run_dir>/etcd for the job's lifetime."""
+    endpoints: tuple[str, ...] = ()
+    """Use an existing etcd (host:port) instead."""
+    ttl_s: int = Field(default=5, ge=2)
+    """Lease TTL given to every tier."""
+
+
+class TierSpec(LaminarModel):
+    """One tier: its CLI, how many replicas, its config."""
+
+    command: tuple[str, ...]
+    """The tier's entry point and sub-command, e.g. [laminar-relay, serve]."""
+    replicas: int = Field(default=1, ge=-1)
+    """Processes to start; -1: one per node (Ray backend: per alive Ray node; local: 1)."""
+    max_restarts: int = Field(default=-1, ge=-1)
+    """Ray backend: times Ray restarts a replica that failed (-1: without limit)."""
+    restart_args: tuple[str, ...] = ()
+    """Ray backend: CLI arguments added when a failed replica is started again, e.g.
+    [--resume] for the trainer (checkpoint.dir) or the manager (state_dir)."""
+    config: dict[str, Any] = {}
+    """The tier's config (written to a YAML file per replica)."""
+    id_field: str | None = None
+    """Config field set to the replica name (e.g. worker_id) when replicas > 1."""
+    args: tuple[str, ...] = ()
+    """Extra CLI arguments."""
+    ready: str | None = None
+    """Output line (regex) that tells the replica is up; the next tier waits for it."""
+    resources: dict[str, float] = {}
+    """Ray backend: resources each replica needs (e.g. {GPU: 1})."""
+
+
+class JobFile(LaminarModel):
+    """A whole stack."""
+
+    job: str
+    """Job name (etcd key prefix)."""
+    run_dir: str = "runs/{job}"
+    """Where logs, configs, metrics and checkpoints go."""
+    etcd: EtcdSpec = EtcdSpec()
+    """etcd."""
+    setup: tuple[tuple[str, ...], ...] = ()
+    """Commands run before the tiers (each must exit 0)."""
+    tiers: dict[str, TierSpec]
+    """Tiers in start order."""
+    wait_for: str
+    """The tier whose exit ends the run."""
+    timeout_s: float = Field(default=3600, gt=0)
+    """Stop everything after this long."""
+    report: str | None = None
+    """A trainer run_dir to summarize and plot when the run ends (laminar report)."""
+
+
+def fill_placeholders(value: Any, subs: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        for key, sub in subs.items():
+            value = value.replace("{" + key + "}", sub)
+        return value
+    if isinstance(value, dict):
+        return {k: fill_placeholders(v, subs) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [fill_placeholders(v, subs) for v in value]
+    return value
+
+
+def load_job(path: str | os.PathLike[str], overrides: list[str] = ()) -> JobFile:
+    return load_config(JobFile, path, overrides, env={})
