@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from laminar_common.etcd import EtcdCoordinator
+from laminar_common.launch import readiness
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.launch.processes import ChildProcess
+from laminar_common.membership import MemberRecord
 
 
 @pytest.fixture
@@ -46,6 +49,18 @@ def wait_until(cond, timeout_s: float, interval_s: float = 0.05) -> bool:
             return True
         time.sleep(interval_s)
     return bool(cond())
+
+
+def wait_ready(etcd, job: str, child: ChildProcess, role: str, member_id: str | None = None,
+               timeout_s: float = 60, **etcd_kwargs) -> MemberRecord:
+    """The ready etcd record ``child`` registered as ``role`` (readiness is the
+    member's own record, never its stdout); fails fast if the child exits."""
+    coord = EtcdCoordinator([etcd.endpoint], job, connect_timeout_s=10, **etcd_kwargs)
+    try:
+        return readiness.wait_ready(coord, role, member_id, timeout_s=timeout_s,
+                                    newer_than=child.started_at, alive=child.alive)[0]
+    finally:
+        coord.close()
 
 
 def read_steps(run_dir: Path) -> list[dict]:

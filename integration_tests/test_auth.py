@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from conftest import wait_ready
 from laminar_common import codec
 from laminar_common.auth import CurveAuth, TlsFiles, create_keys
 from laminar_common.errors import LaminarError
@@ -38,10 +39,10 @@ def test_authenticated_peers_work_and_others_are_refused(etcd, spawn, tmp_path):
                   "--set", "advertise_host=127.0.0.1", "--set", "auth.mutual_tls=true")
     manager = spawn("manager", "laminar_rollout.cli", "manage", *_common(etcd, keys),
                     "--set", f"prompts={prompts}")
-    manager.wait_for_line("MANAGER READY", 60)
+    wait_ready(etcd, JOB, manager, "manager")
     worker = spawn("worker", "laminar_rollout.cli", "serve", *_common(etcd, keys),
                    "--set", "worker_id=worker-0", "--set", "engine.type=simulated")
-    worker.wait_for_line("WORKER READY", 60)
+    wait_ready(etcd, JOB, worker, "worker", "worker-0")
 
     coord = EtcdCoordinator([etcd.endpoint], JOB)
     mgr = coord.members("manager")["manager"].address

@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from conftest import read_steps, tier_args, wait_until
+from conftest import read_steps, tier_args, wait_ready, wait_until
 from laminar_common.etcd import EtcdCoordinator
 
 TTL = 3
@@ -56,7 +56,7 @@ def test_kill_each_tier_in_turn_nothing_lost_nothing_twice(etcd, spawn, tmp_path
                     "--set", f"prompts={prompts}", "--set", "group_size=2",
                     "--set", "batch_groups=2", "--set", "sampling.max_tokens=48",
                     "--set", f"state_dir={state_dir}", "--set", "worker_timeout_s=6")
-    manager.wait_for_line("MANAGER READY", 60)
+    wait_ready(etcd, JOB, manager, "manager")
     workers = {}
     for i in range(3):
         workers[i] = spawn(f"worker-{i}", "laminar_rollout.cli", "serve", *_common(etcd),
@@ -70,7 +70,7 @@ def test_kill_each_tier_in_turn_nothing_lost_nothing_twice(etcd, spawn, tmp_path
                     "--set", f"run_dir={run_dir}", "--set", f"checkpoint.dir={ckpt}",
                     "--set", "checkpoint.every_steps=3")
     trainer = spawn("trainer", "laminar_trainer.cli", *trainer_args)
-    trainer.wait_for_line("TRAINER READY", 60)
+    wait_ready(etcd, JOB, trainer, "trainer")
     assert wait_until(lambda: len(read_steps(run_dir)) >= 5, 60), "training did not start"
 
     # 1. A worker dies.
@@ -96,8 +96,8 @@ def test_kill_each_tier_in_turn_nothing_lost_nothing_twice(etcd, spawn, tmp_path
     # 3. The trainer dies and is restarted from its last checkpoint.
     trainer.kill()
     trainer2 = spawn("trainer-2", "laminar_trainer.cli", *trainer_args, "--resume")
-    resumed = trainer2.wait_for_line(r"TRAINER READY \S+ step=(\d+)", 60)
-    assert int(resumed.group(1)) > 0 and int(resumed.group(1)) % 3 == 0
+    resumed = int(wait_ready(etcd, JOB, trainer2, "trainer").extra["step"])
+    assert resumed > 0 and resumed % 3 == 0
     assert all(w.alive() for i, w in workers.items() if i != 0), "workers stopped with the trainer"
     assert wait_until(lambda: len(read_steps(run_dir)) >= 35, 90)
 
@@ -157,8 +157,9 @@ def test_rolling_upgrade_of_a_worker_while_the_others_run(etcd, spawn, tmp_path)
     run_dir = tmp_path / "trainer"
     spawn("relay", "laminar_relay.cli", "serve", *_common(etcd), "--set", "member_id=relay-0",
           "--set", "bind_host=127.0.0.1", "--set", "advertise_host=127.0.0.1")
-    spawn("manager", "laminar_rollout.cli", "manage", *_common(etcd), "--set", f"prompts={prompts}",
-          "--set", "group_size=2", "--set", "batch_groups=2").wait_for_line("MANAGER READY", 60)
+    manager = spawn("manager", "laminar_rollout.cli", "manage", *_common(etcd),
+                    "--set", f"prompts={prompts}", "--set", "group_size=2", "--set", "batch_groups=2")
+    wait_ready(etcd, JOB, manager, "manager")
     worker_args = ("serve", *_common(etcd), "--set", "engine.type=simulated",
                    "--set", "engine.max_batch=4", "--set", "engine.median_length=8",
                    "--set", "engine.max_length=48", "--set", "report_interval_s=0.1")
@@ -173,7 +174,7 @@ def test_rolling_upgrade_of_a_worker_while_the_others_run(etcd, spawn, tmp_path)
     new = spawn("worker-0-new", "laminar_rollout.cli", *worker_args, "--set", "worker_id=worker-0",
                 "--set", f"stats_path={tmp_path / 'new.stats.json'}",
                 env={"PYTHONPATH": f"{upgraded}:{_sys.path[0]}"})
-    new.wait_for_line("WORKER READY", 60)
+    wait_ready(etcd, JOB, new, "worker", "worker-0")
     watch = EtcdCoordinator([etcd.endpoint], JOB, ttl_s=TTL)
     assert wait_until(lambda: watch.members("worker").get("worker-0") is not None and
                       watch.members("worker")["worker-0"].package_version == "0.1.1-test", 20)
@@ -201,7 +202,7 @@ def test_manager_sigkill_then_resume_loses_nothing(etcd, spawn, tmp_path):
                     "--set", "group_size=2", "--set", "batch_groups=2",
                     "--set", "sampling.max_tokens=48", "--set", f"state_dir={state_dir}")
     manager = spawn("manager", "laminar_rollout.cli", *manager_args)
-    manager.wait_for_line("MANAGER READY", 60)
+    wait_ready(etcd, JOB, manager, "manager")
     workers = [spawn(f"worker-{i}", "laminar_rollout.cli", "serve", *_common(etcd),
                      "--set", f"worker_id=worker-{i}", "--set", "engine.type=simulated",
                      "--set", "engine.max_batch=4", "--set", "engine.median_length=8",
@@ -219,7 +220,7 @@ def test_manager_sigkill_then_resume_loses_nothing(etcd, spawn, tmp_path):
     saved = json.loads((state_dir / "manager_state.json").read_text())
 
     manager2 = spawn("manager-2", "laminar_rollout.cli", *manager_args, "--resume")
-    manager2.wait_for_line("MANAGER READY", 60)
+    wait_ready(etcd, JOB, manager2, "manager")
     trainer.wait_for_line(r"TRAINER DONE", 180)
     assert trainer.proc.wait(30) == 0
     assert all(w.alive() for w in workers), "a worker exited with the manager"

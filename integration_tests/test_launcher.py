@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import yaml
 
+from laminar_common.etcd import EtcdCoordinator
 from laminar_common.launch.processes import ChildProcess
+from laminar_common.launch.readiness import wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,12 +92,19 @@ def test_laminar_up_ray_backend_restarts_killed_replicas_and_the_trainer_resumes
         # --resume, it goes on from its last checkpoint, and the run still ends with 0.
         victims = _pids_with("laminar-trainer-")
         assert victims, "no trainer process found"
+        killed_at = time.time()
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         up.wait_for_line(r"trainer crashed \(-9\); restart 1 with \['--resume'\]", 60)
-        resumed = up.wait_for_line(r"trainer: TRAINER READY \S+ step=(\d+)", 240,
-                                   start=len(up.lines) - 1)
-        assert int(resumed.group(1)) >= 18 and int(resumed.group(1)) % 3 == 0
+        # The restarted trainer's own etcd record says where it resumed.
+        endpoint = up.wait_for_line(r"etcd at (\S+)", 1).group(1)
+        coord = EtcdCoordinator([endpoint], "simray", connect_timeout_s=10)
+        try:
+            resumed = int(wait_ready(coord, "trainer", timeout_s=240,
+                                     newer_than=killed_at)[0].extra["step"])
+        finally:
+            coord.close()
+        assert resumed >= 18 and resumed % 3 == 0
         up.wait_for_line(r"trainer exited with 0", 240)
         assert up.proc.wait(120) == 0
     finally:

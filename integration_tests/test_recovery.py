@@ -26,7 +26,7 @@ import socket
 import time
 from pathlib import Path
 
-from conftest import metric_value, read_steps, scrape_metrics, tier_args, wait_until
+from conftest import metric_value, read_steps, scrape_metrics, tier_args, wait_ready, wait_until
 from laminar_common.etcd import EtcdCoordinator
 
 TTL = 3
@@ -72,7 +72,7 @@ def _stack(etcd, spawn, tmp_path, n_prompts: int, workers: int = 2,
                     "--set", f"prompts={_prompts(tmp_path, n_prompts)}", "--set", "group_size=2",
                     "--set", "batch_groups=2", "--set", "sampling.max_tokens=48",
                     "--set", f"state_dir={state_dir}", *manager_extra)
-    manager.wait_for_line("MANAGER READY", 60)
+    wait_ready(etcd, JOB, manager, "manager")
     ws = [_worker(spawn, etcd, i, *worker_extra) for i in range(workers)]
     return manager, ws, state_dir
 
@@ -189,8 +189,8 @@ def test_trainer_sigterm_then_resume_on_the_same_port(etcd, spawn, tmp_path):
     stopped_at = read_steps(run_dir)[-1]["step"]
     assert (ckpt / "LATEST").read_text() == f"step-{stopped_at:08d}"
     trainer2 = spawn("trainer-2", "laminar_trainer.cli", *args, "--resume")
-    resumed = trainer2.wait_for_line(r"TRAINER READY (\S+) step=(\d+)", 60)
-    assert resumed.group(1) == listen and int(resumed.group(2)) == stopped_at
+    resumed = wait_ready(etcd, JOB, trainer2, "trainer")
+    assert resumed.address == listen and int(resumed.extra["step"]) == stopped_at
     trainer2.wait_for_line(r"TRAINER DONE", 180)
     assert trainer2.proc.wait(30) == 0
     assert [r["step"] for r in read_steps(run_dir)] == list(range(1, steps + 1))

@@ -23,7 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import read_steps, wait_until
+from conftest import read_steps, wait_ready, wait_until
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.launch.processes import ChildProcess
 from laminar_common.relay.client import RelayClient
@@ -99,7 +99,7 @@ def _rollout_tiers(etcd, spawn, job: str, warm: Path, state_dir: Path):
                     "--set", f"prompts={warm / 'train.jsonl'}", "--set", "group_size=4",
                     "--set", "batch_groups=4", "--set", "max_staleness=1",
                     "--set", "sampling.max_tokens=10", "--set", f"state_dir={state_dir}")
-    manager.wait_for_line("MANAGER READY", 60)
+    wait_ready(etcd, job, manager, "manager")
     worker = spawn("worker", "laminar_rollout.cli", "serve", *_common(etcd, job),
                    "--set", "worker_id=worker-0", "--set", "engine.type=torch",
                    "--set", f"engine.model_dir={warm / 'model'}", "--set", "engine.max_batch=16",
@@ -118,14 +118,13 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path,
                     "--set", f"total_steps={total_steps}", "--set", f"run_dir={run_dir}",
                     "--set", f"checkpoint.dir={ckpt}", "--set", f"checkpoint.every_steps={every}")
     trainer = spawn("trainer", "laminar_trainer.cli", *trainer_args)
-    trainer.wait_for_line("TRAINER READY", 120)
+    wait_ready(etcd, job, trainer, "trainer", timeout_s=120)
     assert wait_until(lambda: len(read_steps(run_dir)) >= 5, 300), "training did not reach step 5"
     trainer.kill()
     killed_at = read_steps(run_dir)[-1]["step"]
 
     trainer2 = spawn("trainer-2", "laminar_trainer.cli", *trainer_args, "--resume")
-    resumed = trainer2.wait_for_line(r"TRAINER READY \S+ step=(\d+)", 120)
-    resumed_step = int(resumed.group(1))
+    resumed_step = int(wait_ready(etcd, job, trainer2, "trainer", timeout_s=120).extra["step"])
     assert 0 < resumed_step <= killed_at and resumed_step % every == 0
     trainer2.wait_for_line(r"TRAINER DONE", 600)
     assert trainer2.proc.wait(60) == 0
@@ -199,8 +198,8 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
     # The two-rank checkpoint resumes in a single process and goes on.
     single = spawn("trainer-single", "laminar_trainer.cli", *trainer_args,
                    "--set", f"total_steps={steps + 2}", "--resume")
-    resumed = single.wait_for_line(r"TRAINER READY \S+ step=(\d+)", 120)
-    assert int(resumed.group(1)) == steps
+    resumed = wait_ready(etcd, job, single, "trainer", timeout_s=120)
+    assert int(resumed.extra["step"]) == steps
     single.wait_for_line(r"TRAINER DONE", 600)
     assert single.proc.wait(60) == 0
     assert [r["step"] for r in read_steps(run_dir)][-2:] == [steps + 1, steps + 2]
@@ -234,7 +233,7 @@ def test_bad_trajectories_against_the_real_model_are_refused_counted_and_regener
                     "--set", "batch_groups=4", "--set", f"total_steps={total_steps}",
                     "--set", f"run_dir={run_dir}", "--set", f"checkpoint.dir={ckpt}",
                     "--set", "checkpoint.every_steps=2", "--set", "max_rejections=3")
-    address = trainer.wait_for_line(r"TRAINER READY (\S+)", 120).group(1)
+    address = wait_ready(etcd, job, trainer, "trainer", timeout_s=120).address
     prompts = [json.loads(x)["id"] for x in (warm / "train.jsonl").read_text().splitlines()]
     vocab = json.loads((warm / "model" / "config.json").read_text())["vocab_size"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from conftest import wait_until
+from conftest import wait_ready, wait_until
 from laminar_common.codec import Ack, Trajectory
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.membership import MemberRecord
@@ -48,7 +48,7 @@ def test_new_version_reaches_every_worker_within_one_batch(etcd, spawn, tmp_path
     manager = spawn("manager", "laminar_rollout.cli", "manage", *_common(etcd),
                     "--set", f"prompts={prompts}", "--set", "group_size=2",
                     "--set", "sampling.max_tokens=64", "--set", "repack.enabled=false")
-    manager.wait_for_line("MANAGER READY", 60)
+    wait_ready(etcd, JOB, manager, "manager")
     workers = []
     for i in range(2):
         w = spawn(f"worker-{i}", "laminar_rollout.cli", "serve", *_common(etcd),
@@ -57,8 +57,8 @@ def test_new_version_reaches_every_worker_within_one_batch(etcd, spawn, tmp_path
                   "--set", "engine.max_length=40", "--set", "engine.step_time_base=0.002",
                   "--set", "engine.step_time_per_seq=0.0002", "--set", "report_interval_s=0.1")
         workers.append(w)
-    for w in workers:
-        w.wait_for_line("WORKER READY", 60)
+    for i, w in enumerate(workers):
+        wait_ready(etcd, JOB, w, "worker", f"worker-{i}")
 
     got: list[Trajectory] = []
 

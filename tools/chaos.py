@@ -36,7 +36,6 @@ import collections
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import sys
@@ -47,7 +46,9 @@ from laminar_common.errors import LaminarError
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.launch.processes import ChildProcess
+from laminar_common.launch.readiness import wait_ready
 from laminar_common.launch.tasks import make_task_records, write_jsonl
+from laminar_common.membership import MemberRecord
 
 FAULTS = ("worker-kill", "worker-stop", "relay-kill", "relay-stop", "manager-kill",
           "manager-stop", "trainer-kill", "trainer-stop", "trainer-term", "etcd-pause")
@@ -111,18 +112,21 @@ class Stack:
             "--set", "checkpoint.every_steps=5"]
         for name in [n for n in self.cmds if n.startswith("relay")] + ["manager"]:
             self.spawn(name)
-        self.ready("manager", "MANAGER READY")
+        self.ready("manager")
         for name in [n for n in self.cmds if n.startswith("worker")] + ["trainer"]:
             self.spawn(name)
-        self.ready("trainer", "TRAINER READY")
+        self.ready("trainer")
 
     def spawn(self, name: str, resume: bool = False) -> None:
         cmd = [sys.executable, "-m", *self.cmds[name], *(["--resume"] if resume else [])]
         self.procs[name] = ChildProcess(name, cmd, str(self.root / "logs" / f"{name}.log"))
 
-    def ready(self, name: str, pattern: str, timeout_s: float = 60) -> re.Match[str] | None:
+    def ready(self, name: str, timeout_s: float = 60) -> MemberRecord | None:
+        """The ready etcd record of the process now running as ``name`` (manager, trainer)."""
+        child = self.procs[name]
         try:
-            return self.procs[name].wait_for_line(pattern, timeout_s)
+            return wait_ready(self.watch, name, name, timeout_s=timeout_s,
+                              newer_than=child.started_at, alive=child.alive)[0]
         except LaminarError as exc:
             self.incident(name, f"not ready: {str(exc).splitlines()[0]}")
             return None
@@ -134,8 +138,8 @@ class Stack:
         self.procs[name].stop(grace_s=1)  # reaps the dead pid and closes its log
         self.spawn(name, resume=name in ("manager", "trainer"))
         if name in ("manager", "trainer"):
-            m = self.ready(name, rf"{name.upper()} READY \S+(?: step=(\d+))?")
-            return int(m.group(1)) if m and m.group(1) else None
+            rec = self.ready(name)
+            return int(rec.extra["step"]) if rec is not None and "step" in rec.extra else None
         return None
 
     def signal(self, name: str, sig: signal.Signals) -> None:

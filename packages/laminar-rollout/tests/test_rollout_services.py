@@ -1,15 +1,17 @@
-"""Manager + workers in one process: real ZeroMQ on loopback, in-memory etcd twin,
-simulated engines (fast), and a stand-in trainer (a PULL socket that acks)."""
+"""Manager + workers in one process: real ZeroMQ on loopback (or, where a test
+asks for it, the inproc twin by address), in-memory etcd twin, simulated engines
+(fast), and a stand-in trainer (a PULL socket that acks)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
 
 from laminar_common.codec import Ack, Trajectory
 from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd, MemberRecord, VersionRecord
-from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
+from laminar_common.transport import make_pull_receiver, make_push_sender
 from laminar_rollout.config import ManagerConfig, WorkerConfig
 from laminar_rollout.engines import LogNormalLengths, SimulatedEngine
 from laminar_rollout.ledger import ACKED
@@ -23,9 +25,9 @@ JOB = "unit"
 class Trainer:
     """Receives trajectories, acks them to the manager, publishes versions."""
 
-    def __init__(self, store):
+    def __init__(self, store, listen="tcp://127.0.0.1:0"):
         self.coord = InMemoryCoordinator(store, JOB)
-        self.rx = ZmqPullReceiver(expect=Trajectory)
+        self.rx = make_pull_receiver(listen, expect=Trajectory)
         self.coord.register(MemberRecord(member_id="trainer", role="trainer",
                                          address=self.rx.endpoint))
         self.got: list[Trajectory] = []
@@ -41,7 +43,7 @@ class Trainer:
     def ack(self, ids, step=1):
         if self.acker is None:
             manager = self.coord.members("manager")["manager"]
-            self.acker = ZmqPushSender(manager.extra["ack"])
+            self.acker = make_push_sender(manager.extra["ack"])
         self.acker.send(Ack(trajectory_ids=tuple(ids), trainer_step=step, trainer_version=step))
 
     def close(self):
@@ -83,14 +85,24 @@ def _wait(cond, timeout_s, trainer=None):
     return cond()
 
 
+_INPROC_RUNS = itertools.count()
+
+
 @pytest.fixture
-def stack(tmp_path):
+def stack(tmp_path, request):
+    """The stack over ZeroMQ, or over the inproc twin with ``indirect`` param "inproc":
+    the services are the same; only the addresses they are configured with differ."""
     store = InMemoryEtcd()
     services = []
+    inproc = getattr(request, "param", "tcp") == "inproc"
+    run = next(_INPROC_RUNS)
+    addr = (lambda name: f"inproc://{name}-{run}") if inproc else (lambda name: "tcp://127.0.0.1:0")
 
     def start_manager(resume=False, **kw):
+        n = len(services)
         cfg = ManagerConfig(job=JOB, prompts=_prompts(tmp_path, kw.pop("n_prompts", 6)),
-                            worker_timeout_s=kw.pop("worker_timeout_s", 10.0), **kw)
+                            worker_timeout_s=kw.pop("worker_timeout_s", 10.0),
+                            listen=addr(f"manager{n}"), ack_listen=addr(f"acks{n}"), **kw)
         m = ManagerService(cfg, coordinator=InMemoryCoordinator(store, JOB),
                            resume=resume).start()
         services.append(m)
@@ -101,13 +113,14 @@ def stack(tmp_path):
         services.append(w)
         return w
 
-    trainer = Trainer(store)
+    trainer = Trainer(store, addr("trainer"))
     yield store, trainer, start_manager, start_worker
     for s in reversed(services):
         s.close("test over")
     trainer.close()
 
 
+@pytest.mark.parametrize("stack", ["tcp", "inproc"], indirect=True)
 def test_every_trajectory_arrives_once_and_acks_settle_the_ledger(stack):
     store, trainer, start_manager, start_worker = stack
     manager = start_manager(n_prompts=6, group_size=2)
@@ -281,7 +294,7 @@ def test_trainer_rejections_regenerate_and_ack_socket_rejects_are_metrics(stack)
     assert _wait(lambda: len(trainer.got) >= 4, 20, trainer)
     first = trainer.got[0]
     manager_rec = trainer.coord.members("manager")["manager"]
-    sender = ZmqPushSender(manager_rec.extra["ack"])
+    sender = make_push_sender(manager_rec.extra["ack"])
     sender.send(TrajectoryRejected(trajectory_id=first.trajectory_id, worker_id="w1",
                                    reason="bad-logprob: test", final=False))
     sender.send_frame(b"not a frame")
@@ -295,3 +308,22 @@ def test_trainer_rejections_regenerate_and_ack_socket_rejects_are_metrics(stack)
     assert metrics["trainer_rejections_total"].value == 1
     assert worker.counters["finished"] >= 5  # the rejected one was generated a second time
     sender.close()
+
+
+def test_an_engine_refusing_a_weight_load_does_not_kill_the_worker(stack):
+    """EngineError is a LaminarError: a refused load is retried, not a dead loop."""
+    from laminar_common.errors import EngineError, LaminarError
+    from laminar_common.service import ServiceState
+
+    assert issubclass(EngineError, LaminarError)
+    store, trainer, start_manager, start_worker = stack
+    start_manager(n_prompts=30, group_size=2)
+    w = start_worker("w1", max_batch=2)
+    assert _wait(lambda: len(trainer.got) >= 2, 20, trainer)
+    # The source hands back the version the engine already holds: the engine refuses it.
+    w.fetch_weights = lambda v: FetchedVersion(w.engine.weight_version, None)
+    trainer.coord.publish_version(VersionRecord(version=1))
+    assert _wait(lambda: w.counters["pull_failed"] >= 2, 20, trainer)
+    assert w.state == ServiceState.RUNNING and w.counters["weight_loads"] == 0
+    w.fetch_weights = lambda v: FetchedVersion(v, None)  # the source heals
+    assert _wait(lambda: any(t.policy_version == 1 for t in trainer.got), 20, trainer)

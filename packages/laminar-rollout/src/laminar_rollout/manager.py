@@ -34,6 +34,7 @@ from laminar_common.errors import LaminarError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent, VersionRecord
 from laminar_common.metrics import Metric, MetricsServer
+from laminar_common.roles import Extra, Role, State
 from laminar_common.service import Service
 from laminar_common.status import StatusWriter
 from laminar_common.transport import (
@@ -172,25 +173,24 @@ class ManagerService(Service):
         if self.coordinator is None:
             self.coordinator = make_coordinator(self.config.etcd, self.config.job)
         self.status = StatusWriter(self.coordinator, "manager status")
-        self.coordinator.watch_members(self._on_member, role="worker")
+        self.coordinator.watch_members(self._on_member, role=Role.WORKER)
         self.coordinator.watch_latest(lambda rec: self._events.put(("latest", rec)))
         latest = self.coordinator.latest_version()
         if latest is not None:
             self.latest = latest.version
-        extra = {"ack": self.acks.endpoint, "mode": self.config.mode}
+        extra = {Extra.ACK: self.acks.endpoint, Extra.MODE: self.config.mode, Extra.READY: "1"}
         if self.config.metrics.port is not None:
-            self.metrics = MetricsServer("manager", self.config.job, self.config.manager_id,
+            self.metrics = MetricsServer(Role.MANAGER, self.config.job, self.config.manager_id,
                                          self._metrics)
-            extra["metrics"] = self.metrics.start(self.config.metrics.host,
+            extra[Extra.METRICS] = self.metrics.start(self.config.metrics.host,
                                                   self.config.metrics.port)
         self.coordinator.register(MemberRecord(
-            member_id=self.config.manager_id, role="manager", address=self.server.endpoint,
+            member_id=self.config.manager_id, role=Role.MANAGER, address=self.server.endpoint,
             package_version=__version__, extra=extra,
         ))
         log.info("manager %s: %d prompts x %d samples, mode %s, workers at %s, acks at %s",
                  self.config.manager_id, len(self.records), self.config.group_size,
                  self.config.mode, self.server.endpoint, self.acks.endpoint)
-        print(f"MANAGER READY {self.server.endpoint} acks={self.acks.endpoint}", flush=True)
         self.spawn(self._loop, "loop")
 
     def _close(self) -> None:
@@ -584,7 +584,7 @@ class ManagerService(Service):
                                                  "assigned": self.ledger.assigned(w.worker_id)}
                                   for w in self.workers.values()})
         # In the background: this loop never waits on etcd.
-        self.status.put("manager", json.dumps(status).encode())
+        self.status.put(State.MANAGER, json.dumps(status).encode())
         if now - self._last_ledger_log >= 10:
             self._last_ledger_log = now
             log.info("ledger %s, %d workers, latest v%d", s["ledger"], s["workers"], self.latest)

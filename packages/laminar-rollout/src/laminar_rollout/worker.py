@@ -40,6 +40,7 @@ from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
+from laminar_common.roles import Extra, Role
 from laminar_common.service import Service
 from laminar_common.transport import Client, PushSender, make_client, make_push_sender
 
@@ -120,20 +121,24 @@ class WorkerService(Service):
     def _start(self) -> None:
         if self.coordinator is None:
             self.coordinator = make_coordinator(self.config.etcd, self.config.job)
-        self.coordinator.watch_members(self._on_trainer, role="trainer")
+        self.coordinator.watch_members(self._on_trainer, role=Role.TRAINER)
         self.coordinator.watch_members(lambda ev: self._events.put(("manager", ev)),
-                                       role="manager")
-        extra = {"engine": type(self.engine).__name__}
+                                       role=Role.MANAGER)
+        extra = {Extra.ENGINE: type(self.engine).__name__}
         self._last_load = self.engine.load()
         if self.config.metrics.port is not None:
-            self.metrics = MetricsServer("worker", self.config.job, self.worker_id, self._metrics)
-            extra["metrics"] = self.metrics.start(self.config.metrics.host,
+            self.metrics = MetricsServer(Role.WORKER, self.config.job, self.worker_id, self._metrics)
+            extra[Extra.METRICS] = self.metrics.start(self.config.metrics.host,
                                                   self.config.metrics.port)
-        self.coordinator.register(MemberRecord(
-            member_id=self.worker_id, role="worker", package_version=__version__,
+        record = MemberRecord(
+            member_id=self.worker_id, role=Role.WORKER, package_version=__version__,
             capacity=self.engine.load().max_batch, extra=extra,
-        ))
+        )
+        self.coordinator.register(record)
         self._connect_manager()
+        # Ready once the manager welcomed us: the launcher and tests wait on this record.
+        self.coordinator.update_record(msgspec.structs.replace(record, extra={
+            **extra, Extra.READY: "1", Extra.VERSION: str(self.engine.weight_version)}))
         self.spawn(self._loop, "loop")
 
     def _connect_manager(self, timeout_s: float = 60.0,
@@ -142,10 +147,10 @@ class WorkerService(Service):
         deadline = time.monotonic() + timeout_s
         while not self.stopping.is_set():
             managers = {known.member_id: known} if known is not None else \
-                self.coordinator.members("manager")
+                self.coordinator.members(Role.MANAGER)
             if managers:
                 rec = sorted(managers.values(), key=lambda r: r.member_id)[0]
-                hello = codec.Hello(member_id=self.worker_id, role="worker",
+                hello = codec.Hello(member_id=self.worker_id, role=Role.WORKER,
                                     protocol_version=codec.PROTOCOL_VERSION,
                                     package_version=__version__,
                                     capacity=self.engine.load().max_batch)
@@ -159,7 +164,6 @@ class WorkerService(Service):
                 self._manager_key = rec.incarnation
                 self._manager_rec = rec
                 log.info("connected to manager %s at %s", rec.member_id, rec.address)
-                print(f"WORKER READY {self.worker_id} v{self.engine.weight_version}", flush=True)
                 return
             if time.monotonic() > deadline:
                 raise LaminarError(f"no manager registered in job {self.config.job!r} "

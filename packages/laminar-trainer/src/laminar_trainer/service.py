@@ -44,6 +44,7 @@ from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
+from laminar_common.roles import Extra, Role, State
 from laminar_common.service import Service
 from laminar_common.status import StatusWriter
 from laminar_common.transport import PullReceiver, PushSender, make_pull_receiver, make_push_sender
@@ -156,16 +157,16 @@ class TrainerService(Service):
             self.version = max(self.version, published) + 1
         self._publish(initial=True)
         self.receiver = make_pull_receiver(cfg.listen, expect=Trajectory, auth=self._curve)
-        extra = {"step": str(self.step)}
+        extra = {Extra.STEP: str(self.step), Extra.VERSION: str(self.version), Extra.READY: "1"}
         if cfg.metrics.port is not None:
-            self.metrics = MetricsServer("trainer", cfg.job, cfg.trainer_id, self._metrics)
-            extra["metrics"] = self.metrics.start(cfg.metrics.host, cfg.metrics.port)
-        self.coordinator.watch_members(self._on_manager, role="manager")
+            self.metrics = MetricsServer(Role.TRAINER, cfg.job, cfg.trainer_id, self._metrics)
+            extra[Extra.METRICS] = self.metrics.start(cfg.metrics.host, cfg.metrics.port)
+        self.coordinator.watch_members(self._on_manager, role=Role.MANAGER)
         self.coordinator.register(MemberRecord(
-            member_id=cfg.trainer_id, role="trainer", address=self.receiver.endpoint,
+            member_id=cfg.trainer_id, role=Role.TRAINER, address=self.receiver.endpoint,
             package_version=__version__, extra=extra))
-        print(f"TRAINER READY {self.receiver.endpoint} step={self.step} v{self.version}",
-              flush=True)
+        log.info("trainer %s ready at %s: step %d, v%d", cfg.trainer_id, self.receiver.endpoint,
+                 self.step, self.version)
         self.spawn(self._receive_loop, "receive")
         self.spawn(self._train_loop, "train")
 
@@ -482,7 +483,7 @@ class TrainerService(Service):
         written in the background: a step never waits on etcd."""
         keep = ("step", "version", "reward_mean", "tokens_per_s", "staleness_mean",
                 "staleness_max", "buffer", "time")
-        self.status.put("trainer", json.dumps(
+        self.status.put(State.TRAINER, json.dumps(
             {k: metrics[k] for k in keep} | {"total_steps": self.config.total_steps}).encode())
 
     def _log_consumed(self, ids: list[str], dropped: list[str] = ()) -> None:
@@ -594,7 +595,7 @@ class TrainerService(Service):
             if rec is None:
                 log.warning("no manager registered: %s wait", what)
                 return False
-            self._acker = make_push_sender(rec.extra["ack"], send_timeout_s=10, auth=self._curve)
+            self._acker = make_push_sender(rec.extra[Extra.ACK], send_timeout_s=10, auth=self._curve)
             self._acker_key = rec.incarnation
         try:
             self._acker.send(msg)

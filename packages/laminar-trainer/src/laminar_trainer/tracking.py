@@ -109,7 +109,7 @@ class WandbTracker:
 
         Path(directory).mkdir(parents=True, exist_ok=True)
         try:
-            # console="off": stdout carries the trainer's protocol lines (TRAINER READY, STEP)
+            # console="off": stdout carries the trainer's progress lines (STEP, EVAL, DONE)
             # that launchers parse; wandb must not wrap it.
             self._run = wandb.init(project=project, mode=mode, name=run_name, dir=str(directory),
                                    config=dict(config), settings=wandb.Settings(console="off"))

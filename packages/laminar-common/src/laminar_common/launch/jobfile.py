@@ -47,7 +47,9 @@ class TierSpec(LaminarModel):
     args: tuple[str, ...] = ()
     """Extra CLI arguments."""
     ready: str | None = None
-    """Output line (regex) that tells the replica is up; the next tier waits for it."""
+    """Role whose etcd member records say this tier is up (``extra.ready``, e.g.
+    ``manager``): the next tier starts once every replica of this one registered
+    ready. None: do not wait."""
     resources: dict[str, float] = {}
     """Ray backend: resources each replica needs (e.g. {GPU: 1})."""
 

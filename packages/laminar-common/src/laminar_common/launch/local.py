@@ -54,6 +54,7 @@ from laminar_common.errors import ConfigError, LaminarError
 from laminar_common.launch.jobfile import JobFile, TierSpec, fill_placeholders
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.launch.processes import ChildProcess
+from laminar_common.launch.readiness import wait_ready
 
 __all__ = ["LocalLauncher"]
 
@@ -69,6 +70,7 @@ class LocalLauncher:
         self.subs = {"run_dir": str(self.run_dir), "job": job.job}
         self.children: list[ChildProcess] = []
         self.etcd: LocalEtcd | None = None
+        self._coord = None
         self.endpoints: list[str] = list(job.etcd.endpoints)
         self.echo = echo
         self._stop = threading.Event()
@@ -193,6 +195,7 @@ class LocalLauncher:
         started: dict[str, list[ChildProcess]] = {}
         for tier, spec in self.job.tiers.items():
             started[tier] = []
+            t0 = time.time()
             for i in range(self.replica_count(spec)):
                 name, argv = self.replica_argv(tier, spec, i)
                 child = ChildProcess(name, argv, str(logs / f"{name}.log"))
@@ -200,15 +203,37 @@ class LocalLauncher:
                 started[tier].append(child)
                 self._say(f"started {name} (pid {child.pid}): {shlex.join(argv)}")
             if spec.ready:
-                for child in started[tier]:
-                    child.wait_for_line(spec.ready, 300)
+                self.wait_ready(spec.ready, started[tier], t0)
         return started
+
+    def _coordinator(self):
+        """A read-only etcd client for readiness (TLS as the tiers use it)."""
+        if self._coord is None:
+            from laminar_common.etcd import EtcdCoordinator
+
+            tls: dict[str, str] = {}
+            for tier, spec in self.job.tiers.items():
+                tls = _etcd_tls_of(tier, self._replica(tier, spec, 0)[2])[0]
+                if tls:
+                    break
+            self._coord = EtcdCoordinator(self.endpoints, self.job.job, connect_timeout_s=10,
+                                          **tls)
+        return self._coord
+
+    def wait_ready(self, role: str, children: list[ChildProcess], since: float) -> None:
+        """Wait until ``children`` (one tier's replicas) registered ready as ``role``."""
+        wait_ready(self._coordinator(), role, count=len(children), timeout_s=300,
+                   newer_than=since, alive=lambda: all(c.alive() for c in children))
+        self._say(f"{len(children)} {role} ready")
 
     def stop_all(self) -> None:
         for child in reversed(self.children):
             if child.alive():
                 self._say(f"stopping {child.name} (pid {child.pid})")
             child.stop(grace_s=15)
+        if self._coord is not None:
+            self._coord.close()
+            self._coord = None
         if self.etcd is not None:
             self.etcd.stop()
 

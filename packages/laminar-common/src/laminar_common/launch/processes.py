@@ -34,6 +34,8 @@ class ChildProcess:
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self._log = open(log_path, "a", buffering=1)
+        self.started_at = time.time()
+        """Wall time just before the process started (a member record it writes is newer)."""
         self.proc = subprocess.Popen(
             self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=full_env, cwd=cwd, text=True, bufsize=1,

@@ -33,6 +33,7 @@ from pathlib import Path
 from laminar_common.errors import LaminarError
 from laminar_common.launch.jobfile import JobFile, fill_placeholders
 from laminar_common.launch.local import LocalLauncher
+from laminar_common.launch.readiness import wait_ready
 
 __all__ = ["RayLauncher"]
 
@@ -106,6 +107,7 @@ class RayLauncher(LocalLauncher):
         started: dict[str, list[object]] = {}
         for tier, spec in self.job.tiers.items():
             started[tier] = []
+            t0 = time.time()
             nodes = self._alive_nodes() if spec.replicas == -1 else []
             for i in range(len(nodes) or spec.replicas):
                 name, argv = self.replica_argv(tier, spec, i)
@@ -131,8 +133,10 @@ class RayLauncher(LocalLauncher):
                 self._say(f"started {name} as a Ray actor ({options['num_cpus']} CPU, "
                           f"{options['num_gpus']} GPU)")
             if spec.ready:
-                for (name, actor) in [a for a in self.actors if a[1] in started[tier]]:
-                    self._wait_line(actor, spec.ready, 300, name)
+                # A replica that exits before it is ready is restarted by Ray: wait on.
+                wait_ready(self._coordinator(), spec.ready, count=len(started[tier]),
+                           timeout_s=300, newer_than=t0)
+                self._say(f"{len(started[tier])} {spec.ready} ready")
         return started
 
     def _alive_nodes(self) -> list[str]:
@@ -141,20 +145,6 @@ class RayLauncher(LocalLauncher):
         if not nodes:
             raise LaminarError("Ray reports no alive node to place per-node replicas on")
         return nodes
-
-    def _wait_line(self, actor, pattern: str, timeout_s: float, name: str) -> None:
-        import re
-
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            alive, code, lines, _ = self.ray.get(actor.poll.remote())
-            if any(rx.search(line) for line in lines):
-                return
-            if not alive and code not in (None, 0):
-                raise LaminarError(f"{name} exited with {code} before printing /{pattern}/")
-            time.sleep(0.2)
-        raise LaminarError(f"{name} did not print /{pattern}/ within {timeout_s}s")
 
     def run(self) -> int:
         import signal
