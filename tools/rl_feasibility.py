@@ -1,6 +1,6 @@
 """Feasibility check for the demo RL run: does GRPO lift the warm-started tiny model?
 
-In one process and on CPU: warm-start the tiny model (``laminar_trainer.model``),
+In one process and on CPU: warm-start the tiny model (``laminar_trainer.demo_model``),
 measure greedy held-out accuracy, then run a plain synchronous GRPO loop
 (sample ``group_size`` completions per prompt at temperature 1 with a KV
 cache, record behaviour log-probs, score them, group-normalise advantages,
@@ -90,15 +90,9 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from laminar_common.launch.tasks import TASKS, make_task_records, score_completion
+    from laminar_trainer.decoding import decode_completion, evaluate_accuracy, generate_completions
+    from laminar_trainer.logprobs import compute_token_logprobs, encode_prompts, pack_sequences
     from laminar_trainer.loss import compute_grpo_advantages, compute_policy_loss
-    from laminar_trainer.model import (
-        compute_token_logprobs,
-        decode_completion,
-        encode_prompts,
-        evaluate_accuracy,
-        generate_completions,
-        pack_sequences,
-    )
     from laminar_trainer.warmstart import DEFAULT_WARM_START_STEPS, warm_start
 
     torch.set_num_threads(args.threads)

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from laminar_trainer.checkpoint import TrainerState, save_checkpoint
 from laminar_trainer.config import TrainerConfig
 from laminar_trainer.distributed import Command, decode_groups, init_distributed
+from laminar_trainer.policy import build_training, evaluate_records, run_follower
 from laminar_trainer.step import train_step
-from laminar_trainer.training import build_training, evaluate_records, run_follower
 
 
 def main(model_dir: str, groups_file: str, out: str) -> int:

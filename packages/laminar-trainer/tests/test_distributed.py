@@ -21,10 +21,10 @@ from laminar_common.launch.tasks import make_task_records
 from laminar_trainer.buffer import Group
 from laminar_trainer.checkpoint import latest_checkpoint
 from laminar_trainer.config import TrainerConfig
+from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.distributed import decode_groups, encode_groups, init_distributed
-from laminar_trainer.model import build_tiny_model, build_tokenizer
+from laminar_trainer.policy import build_training, evaluate_records, restore_training
 from laminar_trainer.step import train_step
-from laminar_trainer.training import build_training, evaluate_records, restore_training
 
 HERE = Path(__file__).resolve().parent
 

@@ -20,7 +20,7 @@ from laminar_common.transport import ZmqPushSender
 from laminar_trainer import cli
 from laminar_trainer import service as service_module
 from laminar_trainer.config import TrackingConfig, TrainerConfig
-from laminar_trainer.model import build_tiny_model, build_tokenizer
+from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.service import TrainerService
 from laminar_trainer.tracking import MultiTracker, flatten_scalars, make_trackers
 

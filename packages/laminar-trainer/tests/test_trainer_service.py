@@ -20,7 +20,7 @@ from laminar_common.membership import (
 )
 from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
 from laminar_trainer.config import TrainerConfig
-from laminar_trainer.model import build_tiny_model, build_tokenizer
+from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.service import TrainerService
 
 JOB = "unit"

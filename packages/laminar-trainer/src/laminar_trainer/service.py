@@ -53,10 +53,10 @@ from .buffer import Added, ConsumedIds, ExperienceBuffer, Group
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
 from .distributed import Command, DistContext
+from .policy import Training, build_training, evaluate_records, restore_training
 from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
 from .step import StepResult, train_step
 from .tracking import MultiTracker, make_trackers
-from .training import Training, build_training, evaluate_records, restore_training
 from .validation import REASONS, Invalid, check_trajectory
 from .version import __version__
 
@@ -417,12 +417,23 @@ class TrainerService(Service):
         self._checkpoint()
 
     def _one_step(self, groups: list[Group], waited: float) -> None:
-        cfg = self.config
-        t0 = time.monotonic()
+        """One step of the loop: train, publish, account, checkpoint/ack, eval, report."""
         consume_version = self.version
         if self._t_first_step is None:
-            self._t_first_step = t0 - waited
+            self._t_first_step = time.monotonic() - waited
         trajs = [t for g in groups for t in g.trajectories()]
+        result, train_s = self._train(groups, trajs)
+        stall = self._maybe_publish()
+        self._account(trajs, result)
+        metrics = self._step_metrics(trajs, result, consume_version, train_s, waited, stall)
+        self._maybe_checkpoint_or_ack()
+        self._maybe_evaluate(metrics)
+        self._report_step(metrics, result, stall)
+
+    def _train(self, groups: list[Group], trajs: list[Trajectory]) -> tuple[StepResult, float]:
+        """The optimizer step (across ranks, in one process, or simulated)."""
+        cfg = self.config
+        t0 = time.monotonic()
         if self.model is not None and self.dist is not None:
             result = train_step(self.model, self.optimizer, self.scheduler,
                                 self.dist.send_step(groups), cfg, ref_model=self.ref_model,
@@ -438,21 +449,42 @@ class TrainerService(Service):
         self.step += 1
         train_s = time.monotonic() - t0
         self._train_s += train_s
-        stall = 0.0
-        if self.step % cfg.publish_every == 0 or self.step == cfg.total_steps:
-            self.version += 1
-            stall = self._publish()
-        ids = [t.trajectory_id for t in trajs]
-        dropped = self.buffer.pop_dropped()  # too stale: consumed untrained, acked all the same
         if result.stats.get("skipped_nonfinite"):
             self.nonfinite_steps += 1
             log.warning("step %d: non-finite loss or gradient; the update was skipped", self.step)
+        return result, train_s
+
+    def _maybe_publish(self) -> float:
+        """Publish a new version when due; returns how long the step loop stalled for it."""
+        cfg = self.config
+        if self.step % cfg.publish_every == 0 or self.step == cfg.total_steps:
+            self.version += 1
+            return self._publish()
+        return 0.0
+
+    def _account(self, trajs: list[Trajectory], result: StepResult) -> None:
+        """Record what this step consumed (the consumed log; acks once durable)."""
+        ids = [t.trajectory_id for t in trajs]
+        dropped = self.buffer.pop_dropped()  # too stale: consumed untrained, acked all the same
         self._tokens_consumed += result.tokens
         self._log_consumed(ids, dropped)
         self._unacked.extend(ids + dropped)
+
+    def _maybe_checkpoint_or_ack(self) -> None:
+        """Checkpoint when due (acks follow it), or ack at once without checkpoints."""
+        cfg = self.config
+        if cfg.checkpoint.dir and (self.step % cfg.checkpoint.every_steps == 0
+                                   or self.step == cfg.total_steps):
+            self._checkpoint()
+        elif not cfg.checkpoint.dir:
+            self._ack()
+        self._flush_rejections()
+
+    def _step_metrics(self, trajs: list[Trajectory], result: StepResult, consume_version: int,
+                      train_s: float, waited: float, stall: float) -> dict:
         staleness = [consume_version - t.policy_version for t in trajs]
         elapsed = time.monotonic() - self._t_first_step
-        metrics = {
+        return {
             "step": self.step, "version": self.version, "time": time.time(),
             "loss": result.loss, "reward_mean": result.reward_mean,
             "tokens": result.tokens, "tokens_per_s": self._tokens_consumed / max(elapsed, 1e-9),
@@ -460,15 +492,15 @@ class TrainerService(Service):
             "staleness_mean": statistics.fmean(staleness), "staleness_max": max(staleness),
             "buffer": len(self.buffer), "simulated": self.model is None, **result.stats,
         }
-        if cfg.checkpoint.dir and (self.step % cfg.checkpoint.every_steps == 0
-                                   or self.step == cfg.total_steps):
-            self._checkpoint()
-        elif not cfg.checkpoint.dir:
-            self._ack()
-        self._flush_rejections()
+
+    def _maybe_evaluate(self, metrics: dict) -> None:
+        cfg = self.config
         if cfg.eval.prompts and cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 \
                 and self.model is not None:
             metrics["eval_accuracy"] = self._evaluate()
+
+    def _report_step(self, metrics: dict, result: StepResult, stall: float) -> None:
+        """metrics.jsonl, trackers, the etcd status (in the background) and the log."""
         self._write_metrics(metrics)
         self._track(metrics)
         self._last_metrics = metrics

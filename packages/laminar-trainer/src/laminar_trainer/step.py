@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .buffer import Group
+from .logprobs import compute_token_logprobs, model_device, pack_sequences
 from .loss import compute_grpo_advantages, compute_kl_penalty, compute_policy_loss
-from .model import compute_token_logprobs, model_device, pack_sequences
 
 __all__ = ["StepResult", "make_optimizer", "train_step"]
 

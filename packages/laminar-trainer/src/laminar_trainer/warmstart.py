@@ -32,16 +32,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from laminar_common.launch.tasks import make_task_records, plausible_mistake
 
-from .model import (
-    DEFAULT_MODEL_SIZES,
-    EOS_ID,
-    build_tiny_model,
-    build_tokenizer,
-    compute_token_logprobs,
-    encode_prompts,
-    evaluate_accuracy,
-    pack_sequences,
-)
+from .decoding import evaluate_accuracy
+from .demo_model import DEFAULT_MODEL_SIZES, EOS_ID, build_tiny_model, build_tokenizer
+from .logprobs import compute_token_logprobs, encode_prompts, pack_sequences
 
 __all__ = [
     "DEFAULT_WARM_START_STEPS",

@@ -1,4 +1,4 @@
-"""What a trainer rank holds: model, tokenizer, optimizer, schedule — and the follower loop.
+"""The policy a trainer rank holds: model, tokenizer, optimizer, schedule — and the follower loop.
 
 ``build_training`` is called the same way on every rank (rank 0 inside
 ``TrainerService``, ranks > 0 in ``run_follower``), so the FSDP shards, the
@@ -121,7 +121,7 @@ def _advance(training: Training, step: int) -> None:
 
 def evaluate_records(training: Training, records: list[dict], max_new_tokens: int) -> float:
     """Greedy held-out accuracy (every rank of a sharded model must call it alike)."""
-    from .model import evaluate_accuracy
+    from .decoding import evaluate_accuracy
 
     training.model.eval()
     try:

@@ -1,4 +1,4 @@
-"""Tests for laminar_trainer.model: tokenizer, tiny model, decoding, warm start."""
+"""Tests for laminar_trainer.demo_model: tokenizer, tiny model, decoding, warm start."""
 
 import json
 
@@ -12,20 +12,16 @@ from laminar_common.launch.tasks import (
     plausible_mistake,
     score_completion,
 )
-from laminar_trainer.model import (
+from laminar_trainer.decoding import decode_completion, evaluate_accuracy, generate_completions
+from laminar_trainer.demo_model import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
     UNK_ID,
     build_tiny_model,
     build_tokenizer,
-    compute_token_logprobs,
-    decode_completion,
-    encode_prompts,
-    evaluate_accuracy,
-    generate_completions,
-    pack_sequences,
 )
+from laminar_trainer.logprobs import compute_token_logprobs, encode_prompts, pack_sequences
 from laminar_trainer.warmstart import _with_mistakes, train_supervised, warm_start
 
 SMALL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
