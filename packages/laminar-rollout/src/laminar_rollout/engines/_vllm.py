@@ -142,11 +142,6 @@ class VllmEngine(GenerationEngine):
     def context_length(self) -> int:
         return self._context_length
 
-    @property
-    def llm_engine(self) -> Any:
-        """The wrapped ``vllm.LLMEngine``."""
-        return self._engine
-
     def add_request(self, request: GenerationRequest) -> None:
         rid = request.request_id
         if not self._weights_intact:
