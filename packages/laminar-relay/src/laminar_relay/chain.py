@@ -15,6 +15,9 @@ is stored and verified here, while later chunks are still arriving, so a
 broadcast takes about size/bandwidth + hops x chunk/bandwidth. The
 downstream commit is sent only once the version is sealed here (on the master:
 once it is visible in etcd), so no relay seals a version its upstream did not.
+The publish protocol itself (begin, chunks, commit, abort) is
+:class:`~laminar_common.relay.publish.PublishSession`, the same one a
+publisher uses; this module only supplies the chunks, read from the store.
 
 Invariants:
 
@@ -31,17 +34,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-
-import grpc
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.membership import MemberRecord
-from laminar_common.relay.dataplane import ChunkSender, make_chunk_sender
 from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
-from laminar_common.relay.wire import error_from_rpc, manifest_to_proto, protocol_metadata
+from laminar_common.relay.publish import (
+    Chunk,
+    ChunkSenders,
+    PublishRefused,
+    PublishSession,
+    PublishWithdrawn,
+)
 
-from .store import WeightStore
+from .store import IncomingVersion, StoredVersion, WeightStore
 
 __all__ = ["order_chain", "neighbours", "ChainForwarder"]
 
@@ -101,8 +107,6 @@ class ChainForwarder:
         self._store = store
         self.member_id = member_id
         self._make_stub = make_stub
-        self._send_hwm = send_hwm
-        self._send_timeout_s = send_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
         self._commit_timeout_s = commit_timeout_s
         self._rate = max_bytes_per_s
@@ -111,7 +115,7 @@ class ChainForwarder:
         self._downstream: MemberRecord | None = None
         self._pending: dict[int, int] = {}  # version -> attempts so far
         self._stop = threading.Event()
-        self._senders: dict[str, ChunkSender] = {}
+        self._senders = ChunkSenders(hwm=send_hwm, send_timeout_s=send_timeout_s)
         self.forwarded_version = -1
         self.forwarding: int | None = None
         self.forwarded_total = 0
@@ -196,21 +200,6 @@ class ChainForwarder:
                 with self._cond:
                     self.forwarding = None
 
-    def _call(self, method, request, what: str, timeout: float):
-        try:
-            return method(request, timeout=timeout, metadata=protocol_metadata())
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, what) from exc
-
-    def _sender(self, endpoint: str) -> ChunkSender:
-        sender = self._senders.get(endpoint)
-        if sender is None:
-            sender = make_chunk_sender(
-                endpoint, hwm=self._send_hwm, send_timeout_s=self._send_timeout_s
-            )
-            self._senders[endpoint] = sender
-        return sender
-
     def _forward(self, version: int, target: MemberRecord) -> None:
         handle = self._store.follow(version)
         if handle is None:
@@ -219,83 +208,58 @@ class ChainForwarder:
         first = self._store.progress(handle, 0, 0.0)
         if first.state == "aborted":
             return
-        stub = self._make_stub(target.address)
         what = f"forward of version {version} to relay {target.member_id}"
-        begin = self._call(
-            stub.BeginPublish,
-            relay_pb2.BeginPublishRequest(
-                manifest=manifest_to_proto(first.manifest),
-                origin=relay_pb2.ORIGIN_RELAY,
-                sender_id=self.member_id,
-            ),
-            what,
-            self._rpc_timeout_s,
+        session = PublishSession(
+            self._make_stub(target.address),
+            first.manifest,
+            origin=relay_pb2.ORIGIN_RELAY,
+            sender_id=self.member_id,
+            senders=self._senders,
+            what=what,
+            rpc_timeout_s=self._rpc_timeout_s,
+            commit_timeout_s=self._commit_timeout_s + self._rpc_timeout_s,
         )
-        if not begin.accepted:
-            log.debug("%s skipped: %s", what, begin.reason)
-            return
-        token = begin.session
         try:
-            self._stream(handle, target, token, begin.data_endpoint, what)
-        except BaseException as exc:
-            self._abort(stub, token, f"{self.member_id} stopped forwarding: {exc}", what)
-            raise
+            reply = session.run(self._chunks(handle, target, what))
+        except PublishRefused as exc:
+            log.debug("%s skipped: %s", what, exc.reason)
+            return
+        if reply is None:
+            return
+        self.forwarded_version = max(self.forwarded_version, reply.version)
+        log.info("forwarded version %d to %s", reply.version, target.member_id)
 
-    def _stream(self, handle, target: MemberRecord, token: bytes, endpoint: str, what: str) -> None:
-        stub = self._make_stub(target.address)
-        sender = self._sender(endpoint)
+    def _chunks(
+        self, handle: IncomingVersion | StoredVersion, target: MemberRecord, what: str
+    ) -> Iterator[Chunk]:
+        """The chunks of ``handle`` as they are stored here, paced, until it is sealed.
+
+        Raises:
+            TransportError: the chain changed or this relay is shutting down.
+            PublishWithdrawn: the version was dropped here (abort downstream, no retry).
+        """
         pos = 0
-        n = None
         pace_t = time.monotonic()
         while True:
             if self._changed(target):
                 raise TransportError(f"{what}: the chain changed")
             p = self._store.progress(handle, pos, self._poll_s)
-            n = len(p.manifest.chunks)
             if p.state == "aborted":
                 log.info("%s stopped: the version was dropped here (%s)", what, p.reason)
-                self._abort(stub, token, f"dropped upstream: {p.reason}", what)
-                return
+                raise PublishWithdrawn(f"dropped upstream: {p.reason}")
             for index in p.new:
                 spec = p.manifest.chunks[index]
                 digest = p.digests[index]
                 assert digest is not None
-                try:
-                    sender.send(
-                        token, index, digest, p.view[spec.offset : spec.offset + spec.nbytes]
-                    )
-                except TransportError:
-                    self._senders.pop(endpoint, None)
-                    sender.close()
-                    raise
+                yield index, digest, p.view[spec.offset : spec.offset + spec.nbytes]
                 pos += 1
                 self.forwarded_total += spec.nbytes
                 if self._rate:
                     pace_t = max(pace_t, time.monotonic()) + spec.nbytes / self._rate
                     if self._stop.wait(max(0.0, pace_t - time.monotonic())):
                         raise TransportError(f"{what}: relay shutting down")
-            if p.state == "sealed" and pos >= n:
-                checksums = [c.checksum for c in p.manifest.chunks]
-                break
-        reply = self._call(
-            stub.CommitPublish,
-            relay_pb2.CommitPublishRequest(session=token, chunks_sent=n, checksums=checksums),
-            what,
-            self._commit_timeout_s + self._rpc_timeout_s,
-        )
-        self.forwarded_version = max(self.forwarded_version, reply.version)
-        log.info("forwarded version %d to %s", reply.version, target.member_id)
-
-    def _abort(self, stub, token: bytes, reason: str, what: str) -> None:
-        try:
-            self._call(
-                stub.AbortPublish,
-                relay_pb2.AbortPublishRequest(session=token, reason=reason),
-                what,
-                min(2.0, self._rpc_timeout_s),
-            )
-        except LaminarError as exc:
-            log.info("%s: could not abort downstream (its session expires): %s", what, exc)
+            if p.state == "sealed" and pos >= len(p.manifest.chunks):
+                return
 
     def close(self) -> None:
         self._stop.set()
@@ -303,6 +267,4 @@ class ChainForwarder:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=10.0)
-        for sender in self._senders.values():
-            sender.close()
-        self._senders.clear()
+        self._senders.close()

@@ -115,7 +115,6 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         reader_lease_s: float = 300.0,
         max_fetch_wait_s: float = 120.0,
         max_waiting_fetches: int = 8,
-        data_plane: str = "zmq",
     ) -> None:
         self.store = store
         self.relay_id = relay_id
@@ -129,7 +128,6 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         self.commit_timeout_s = commit_timeout_s
         self.reader_lease_s = reader_lease_s
         self.max_fetch_wait_s = max_fetch_wait_s
-        self.data_plane = data_plane
         self.rejected: collections.Counter[str] = collections.Counter()
         self._waiters = threading.BoundedSemaphore(max(1, max_waiting_fetches))
         self.waiting_fetches = 0
@@ -183,7 +181,6 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             accepted=True,
             session=session.token,
             data_endpoint=self.data_endpoint,
-            data_plane=self.data_plane,
             relay_id=self.relay_id,
         )
 

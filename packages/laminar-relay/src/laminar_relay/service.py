@@ -48,6 +48,7 @@ from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
 from laminar_common.relay.wire import (
     EXTRA_DATA_ENDPOINT,
     EXTRA_STORE,
+    GRPC_OPTIONS,
     MASTER_ELECTION,
     RELAY_ROLE,
     VersionConflictError,
@@ -65,11 +66,8 @@ __all__ = ["RelayService", "make_relay_service", "default_member_id"]
 
 log = logging.getLogger(__name__)
 
-_GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-    ("grpc.so_reuseport", 0),
-]
+# No SO_REUSEPORT: a second relay given the same port must fail to bind, not share it.
+_SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
 _LOG_FIRST = 20
 
 
@@ -223,7 +221,7 @@ class RelayService(Service):
         )
         self._server = grpc.server(
             ThreadPoolExecutor(self._grpc_workers, thread_name_prefix="relay-grpc"),
-            options=_GRPC_OPTIONS,
+            options=_SERVER_OPTIONS,
         )
         relay_pb2_grpc.add_RelayServicer_to_server(self.servicer, self._server)
         try:
@@ -367,7 +365,7 @@ class RelayService(Service):
         with self._channels_lock:
             entry = self._channels.get(address)
             if entry is None:
-                channel = grpc_channel(address, self._tls_client, _GRPC_OPTIONS[:2])
+                channel = grpc_channel(address, self._tls_client, GRPC_OPTIONS)
                 entry = (channel, relay_pb2_grpc.RelayStub(channel))
                 self._channels[address] = entry
             return entry[1]

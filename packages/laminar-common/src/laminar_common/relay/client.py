@@ -4,9 +4,11 @@ Owns how a trainer hands a version to the master relay and how a rollout
 reads one from its relay. The trainer calls :meth:`RelayClient.publish`,
 which returns once the master has stored and verified every chunk and made
 the version visible in etcd (the hand-off); the relays spread it along the
-chain afterwards, without the trainer. A rollout calls
-:meth:`RelayClient.fetch`, which prefers a relay on its own host and then
-maps the relay's shared memory instead of copying the bytes.
+chain afterwards, without the trainer. The publish protocol itself (begin,
+chunks, commit, abort) is :class:`~laminar_common.relay.publish.PublishSession`;
+this module adds master resolution, retries and checksumming ahead. A rollout
+calls :meth:`RelayClient.fetch`, which prefers a relay on its own host and
+then maps the relay's shared memory instead of copying the bytes.
 
 Behaviour under failure:
 
@@ -32,6 +34,7 @@ Never imports torch or numpy.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import logging
 import mmap
@@ -48,7 +51,7 @@ from typing import Any
 import grpc
 
 from laminar_common.auth import TlsFiles, grpc_channel
-from laminar_common.codec import ChunkSpec, WeightManifest
+from laminar_common.codec import WeightManifest
 from laminar_common.errors import (
     CoordinationError,
     EtcdUnavailableError,
@@ -57,7 +60,6 @@ from laminar_common.errors import (
     TransportError,
 )
 from laminar_common.membership import Coordinator, VersionRecord
-from laminar_common.relay.dataplane import ChunkSender, make_chunk_sender
 from laminar_common.relay.manifests import (
     DEFAULT_ALIGNMENT,
     DEFAULT_CHUNK_BYTES,
@@ -74,14 +76,16 @@ from laminar_common.relay.manifests import (
     verify_chunk,
 )
 from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
+from laminar_common.relay.publish import ChunkSenders, PublishSession
 from laminar_common.relay.wire import (
+    GRPC_OPTIONS,
     MASTER_ELECTION,
     RELAY_ROLE,
     NotMasterError,
     VersionNotFoundError,
+    call_relay,
     error_from_rpc,
     manifest_from_proto,
-    manifest_to_proto,
     protocol_metadata,
 )
 
@@ -89,10 +93,6 @@ __all__ = ["RelayClient", "PublishResult", "FetchedWeights", "RelayHealth", "Rel
 
 log = logging.getLogger(__name__)
 
-_GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-]
 TensorLike = NamedBuffer | tuple[str, str, Sequence[int], Any]
 
 
@@ -258,8 +258,6 @@ class RelayClient:
         self.failover_wait_s = failover_wait_s
         self.max_attempts = max(1, max_attempts)
         self.hash_threads = max(1, hash_threads)
-        self.send_hwm = send_hwm
-        self.send_timeout_s = send_timeout_s
         self.use_shared_memory = use_shared_memory
         self.shm_fallbacks = 0
         """Same-host fetches that had to stream because shared memory was unusable."""
@@ -267,7 +265,7 @@ class RelayClient:
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
-        self._senders: dict[str, ChunkSender] = {}
+        self._senders = ChunkSenders(hwm=send_hwm, send_timeout_s=send_timeout_s)
         self._suspect: tuple[str, float] | None = None
         self._closed = threading.Event()
         self._hash_pool: ThreadPoolExecutor | None = None
@@ -281,25 +279,19 @@ class RelayClient:
                 raise TransportError("RelayClient is closed")
             entry = self._channels.get(address)
             if entry is None:
-                channel = grpc_channel(address, self.tls, _GRPC_OPTIONS)
+                channel = grpc_channel(address, self.tls, GRPC_OPTIONS)
                 entry = (channel, relay_pb2_grpc.RelayStub(channel))
                 self._channels[address] = entry
             return entry[1]
 
-    def _call(self, method: Any, request: Any, what: str, timeout: float) -> Any:
-        try:
-            return method(request, timeout=max(0.1, timeout), metadata=protocol_metadata())
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, what) from exc
-
-    def _call_while_master(self, method: Any, request: Any, what: str, timeout: float,
+    def _call_while_master(self, method: Any, request: Any, what: str, timeout: float, *,
                            relay: RelayRef) -> Any:
         """A call to the master that may take long (a commit waits for every chunk), given
         up as soon as another relay wins the election: a master that is paused (SIGSTOP,
         a GC or network pause) loses its lease, and the publish moves on to the new one
         instead of waiting for the old one to wake."""
         if self._coord is None:
-            return self._call(method, request, what, timeout)
+            return call_relay(method, request, what, timeout)
         call = method.future(request, timeout=max(0.1, timeout), metadata=protocol_metadata())
         while True:
             try:
@@ -316,20 +308,6 @@ class RelayClient:
                 call.cancel()
                 raise _MasterChanged(f"{what}: relay {leader!r} won the master election while "
                                      f"{relay.member_id!r} was not answering")
-
-    def _sender(self, endpoint: str) -> ChunkSender:
-        sender = self._senders.get(endpoint)
-        if sender is None:
-            sender = make_chunk_sender(
-                endpoint, hwm=self.send_hwm, send_timeout_s=self.send_timeout_s
-            )
-            self._senders[endpoint] = sender
-        return sender
-
-    def _drop_sender(self, endpoint: str) -> None:
-        sender = self._senders.pop(endpoint, None)
-        if sender is not None:
-            sender.close()
 
     def relays(self) -> dict[str, RelayRef]:
         """Live relays by member id (the fixed address alone without a coordinator)."""
@@ -509,80 +487,29 @@ class RelayClient:
         buffers: Sequence[NamedBuffer],
         deadline: float,
     ) -> WeightManifest:
-        stub = self._stub(relay.address)
-        what = (
-            f"publish of weight version {layout.version} to relay {relay.member_id} "
-            f"({relay.address})"
-        )
-        begin = self._call_while_master(
-            stub.BeginPublish,
-            relay_pb2.BeginPublishRequest(
-                manifest=manifest_to_proto(layout),
-                origin=relay_pb2.ORIGIN_PUBLISHER,
-                sender_id=self.client_id,
+        session = PublishSession(
+            self._stub(relay.address),
+            layout,
+            origin=relay_pb2.ORIGIN_PUBLISHER,
+            sender_id=self.client_id,
+            senders=self._senders,
+            what=(
+                f"publish of weight version {layout.version} to relay {relay.member_id} "
+                f"({relay.address})"
             ),
-            what,
-            min(self.rpc_timeout_s, deadline - time.monotonic()),
-            relay,
+            rpc_timeout_s=self.rpc_timeout_s,
+            commit_timeout_s=self.publish_timeout_s,
+            deadline=deadline,
+            call=functools.partial(self._call_while_master, relay=relay),
+            no_abort_on=(_MasterChanged,),  # a paused relay would hold the abort too
         )
-        if not begin.accepted:
-            raise ProtocolError(f"{what}: refused: {begin.reason}")
-        checksums: list[str] = []
-        try:
-            sender = self._sender(begin.data_endpoint)
-            for index, digest, data in self._hashed(buffers, layout):
-                sender.send(begin.session, index, digest, data)
-                checksums.append(digest.hex())
-            reply = self._call_while_master(
-                stub.CommitPublish,
-                relay_pb2.CommitPublishRequest(
-                    session=begin.session, chunks_sent=len(checksums), checksums=checksums
-                ),
-                what,
-                deadline - time.monotonic(),
-                relay,
-            )
-        except LaminarError as exc:
-            if isinstance(exc, TransportError):
-                self._drop_sender(begin.data_endpoint)
-            if not isinstance(exc, _MasterChanged):  # a paused relay would hold the abort too
-                self._abort(stub, begin.session, f"publisher gave up: {exc}", relay)
-            raise
+        reply = session.run(self._hashed(buffers, layout))
+        assert reply is not None, "the client's chunk source never withdraws"
         log.debug(
-            "relay %s accepted version %d (visible=%s)",
-            reply.relay_id,
-            reply.version,
+            "relay %s accepted version %d (visible=%s)", reply.relay_id, reply.version,
             reply.visible,
         )
-        chunks = tuple(
-            ChunkSpec(c.index, c.offset, c.nbytes, s) for c, s in zip(layout.chunks, checksums)
-        )
-        return WeightManifest(
-            layout.version,
-            layout.total_bytes,
-            layout.chunk_bytes,
-            layout.tensors,
-            chunks,
-            layout.created_at,
-            layout.trainer_step,
-        )
-
-    def _abort(
-        self, stub: relay_pb2_grpc.RelayStub, session: bytes, reason: str, relay: RelayRef
-    ) -> None:
-        try:
-            self._call(
-                stub.AbortPublish,
-                relay_pb2.AbortPublishRequest(session=session, reason=reason),
-                f"abort on relay {relay.member_id}",
-                min(2.0, self.rpc_timeout_s),
-            )
-        except LaminarError as exc:
-            log.info(
-                "could not abort the publish session on relay %s (it expires on its own): %s",
-                relay.member_id,
-                exc,
-            )
+        return session.manifest
 
     # -- fetch --------------------------------------------------------------
 
@@ -591,7 +518,7 @@ class RelayClient:
         if self._coord is not None:
             return self._coord.latest_version()
         relay = self._master(time.monotonic())
-        reply = self._call(
+        reply = call_relay(
             self._stub(relay.address).Latest,
             relay_pb2.LatestRequest(),
             f"latest on relay {relay.address}",
@@ -679,7 +606,7 @@ class RelayClient:
         stub = self._stub(ref.address)
         label = "latest" if version is None else f"version {version}"
         what = f"fetch of {label} from relay {ref.member_id}"
-        reply = self._call(
+        reply = call_relay(
             stub.Fetch,
             relay_pb2.FetchRequest(
                 version=-1 if version is None else version, reader_id=self.client_id, wait_s=wait_s
@@ -785,7 +712,7 @@ class RelayClient:
         if not lease:
             return
         try:
-            self._call(
+            call_relay(
                 self._stub(ref.address).Release,
                 relay_pb2.ReleaseRequest(lease=lease),
                 f"release on relay {ref.member_id}",
@@ -806,7 +733,7 @@ class RelayClient:
             ref = self._master(time.monotonic())
         else:
             ref = self.relays().get(relay) or RelayRef(relay, relay)
-        r = self._call(
+        r = call_relay(
             self._stub(ref.address).Health,
             relay_pb2.HealthRequest(),
             f"health of relay {ref.member_id}",
@@ -843,8 +770,7 @@ class RelayClient:
         for pool in pools:
             pool.shutdown(wait=True, cancel_futures=True)
         with self._publish_lock:
-            for endpoint in list(self._senders):
-                self._drop_sender(endpoint)
+            self._senders.close()
         for channel, _ in channels.values():
             channel.close()
 

@@ -4,9 +4,11 @@ Owns: the names both sides must agree on (member role, election name, the
 member-record ``extra`` keys, the protocol metadata key), the conversion
 between :class:`~laminar_common.codec.WeightManifest` and its protobuf form,
 the relay error classes, and the one mapping between those errors and gRPC
-status codes (both directions). Only this module and the two ends of the
-relay API (``relay_client.py``, ``laminar_relay.server``) touch ``grpc``
-statuses.
+status codes (both directions), the one way a unary relay call is made
+(:func:`call_relay`) and the gRPC channel/server options both ends use
+(:data:`GRPC_OPTIONS`). Only this module and the two ends of the relay API
+(``relay.client`` and ``relay.publish``, ``laminar_relay.server``) touch
+``grpc`` statuses.
 
 Invariants:
 
@@ -18,6 +20,8 @@ Invariants:
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import grpc
 
@@ -39,7 +43,9 @@ __all__ = [
     "EXTRA_STORE",
     "PROTOCOL_METADATA_KEY",
     "ERROR_METADATA_KEY",
+    "GRPC_OPTIONS",
     "protocol_metadata",
+    "call_relay",
     "VersionConflictError",
     "NotMasterError",
     "VersionNotFoundError",
@@ -64,6 +70,11 @@ EXTRA_STORE = "store"
 """``MemberRecord.extra`` key: ``memfd`` (same-host readers map it) or ``heap``."""
 PROTOCOL_METADATA_KEY = "laminar-protocol"
 ERROR_METADATA_KEY = "laminar-error"
+GRPC_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+)
+"""gRPC options of every relay channel and server (manifests and Read chunks are large)."""
 
 
 def protocol_metadata() -> tuple[tuple[str, str], ...]:
@@ -168,6 +179,23 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> LaminarError:
         else:
             cls = _BY_CODE.get(code, LaminarError)
     return cls(f"{what}: {details} ({code.name if code else 'UNKNOWN'})")
+
+
+def call_relay(method: Any, request: Any, what: str, timeout: float) -> Any:
+    """One unary relay call with the protocol metadata; a failure is raised as ours.
+
+    Args:
+        method: a stub method, e.g. ``stub.BeginPublish``.
+        what: what the caller is doing, for the error message.
+        timeout: the call's deadline in seconds (at least 0.1 s is given).
+
+    Raises:
+        LaminarError: the class the relay raised (see :func:`error_from_rpc`).
+    """
+    try:
+        return method(request, timeout=max(0.1, timeout), metadata=protocol_metadata())
+    except grpc.RpcError as exc:
+        raise error_from_rpc(exc, what) from exc
 
 
 def manifest_to_proto(manifest: WeightManifest) -> relay_pb2.Manifest:
