@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+from laminar_common.relay.wire import GRPC_OPTIONS
+
 MiB = 1024 * 1024
 
 
@@ -97,7 +99,7 @@ def _receiver_main(kind: str, port: int, size: int, chunk: int) -> None:
             "bench.Bulk", {"Push": grpc.stream_unary_rpc_method_handler(push)}
         )
         server = grpc.server(
-            futures.ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", 256 * MiB)]
+            futures.ThreadPoolExecutor(2), options=GRPC_OPTIONS
         )
         server.add_generic_rpc_handlers((handler,))
         server.add_insecure_port(f"127.0.0.1:{port}")
@@ -154,7 +156,7 @@ def measure_transport(kind: str, data: bytes, chunk: int) -> float:
             import grpc
 
             channel = grpc.insecure_channel(
-                f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 256 * MiB)]
+                f"127.0.0.1:{port}", options=GRPC_OPTIONS
             )
             push = channel.stream_unary("/bench.Bulk/Push")
 

@@ -27,7 +27,7 @@ from laminar_common.relay.wire import (
     manifest_to_proto,
     protocol_metadata,
 )
-from laminar_relay.buffers import make_allocator
+from laminar_relay.memory import make_allocator
 from laminar_relay.server import RelayServicer
 from laminar_relay.store import WeightStore
 

@@ -17,7 +17,7 @@ from laminar_common.relay.wire import (
     VersionConflictError,
     VersionNotFoundError,
 )
-from laminar_relay.buffers import HeapBuffer, make_allocator
+from laminar_relay.memory import HeapBuffer, make_allocator
 from laminar_relay.store import UnknownSessionError, WeightStore
 
 CHUNK = 1024

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .buffers import make_allocator
     from .chain import ChainForwarder, order_chain
     from .config import ChainConfig, DataPlaneConfig, RelayConfig, StoreConfig
+    from .memory import make_allocator
     from .service import RelayService, make_relay_service
     from .store import StoredVersion, WeightStore
 
@@ -46,7 +46,7 @@ _LAZY = {
     "make_relay_service": "service",
     "WeightStore": "store",
     "StoredVersion": "store",
-    "make_allocator": "buffers",
+    "make_allocator": "memory",
     "ChainForwarder": "chain",
     "order_chain": "chain",
 }

@@ -53,11 +53,12 @@ from laminar_common.relay.wire import (
     RELAY_ROLE,
     VersionConflictError,
 )
+from laminar_common.roles import Extra
 from laminar_common.service import Service
 
-from .buffers import make_allocator
 from .chain import ChainForwarder, neighbours, order_chain
 from .config import RelayConfig
+from .memory import make_allocator
 from .server import RelayServicer
 from .store import UnknownSessionError, WeightStore
 from .version import __version__
@@ -240,11 +241,12 @@ class RelayService(Service):
         self.address = f"{self.advertise_host}:{port}"
         self._server.start()
         self.coordinator.watch_members(self._on_membership, role=RELAY_ROLE)
-        extra = {EXTRA_DATA_ENDPOINT: self.data_endpoint, EXTRA_STORE: self.store_backend}
+        extra = {EXTRA_DATA_ENDPOINT: self.data_endpoint, EXTRA_STORE: self.store_backend,
+                 Extra.READY: "1"}
         if self._metrics_port is not None:
-            self.metrics = MetricsServer("relay", self.coordinator.keys.job, self.member_id,
+            self.metrics = MetricsServer(RELAY_ROLE, self.coordinator.keys.job, self.member_id,
                                          self._metrics)
-            extra["metrics"] = self.metrics.start(self._metrics_host, self._metrics_port)
+            extra[Extra.METRICS] = self.metrics.start(self._metrics_host, self._metrics_port)
         self.coordinator.register(
             MemberRecord(
                 member_id=self.member_id,

@@ -18,7 +18,7 @@ Invariants:
 - Chunk bytes are written outside the lock into disjoint ranges of a session's
   buffer; all bookkeeping happens under the one condition variable.
 
-Buffers come from :mod:`laminar_relay.buffers` (``memfd`` shared memory that
+Buffers come from :mod:`laminar_relay.memory` (``memfd`` shared memory that
 same-host readers map, or heap memory).
 """
 
@@ -45,7 +45,7 @@ from laminar_common.relay.wire import (
     VersionNotFoundError,
 )
 
-from .buffers import VersionBuffer
+from .memory import VersionBuffer
 
 __all__ = [
     "IncomingVersion",
@@ -131,7 +131,7 @@ class WeightStore:
     """Versions held by one relay (thread-safe).
 
     Args:
-        allocate: buffer factory (:func:`laminar_relay.buffers.make_allocator`).
+        allocate: buffer factory (:func:`laminar_relay.memory.make_allocator`).
         max_bytes: memory cap for all versions and open sessions.
         max_version_bytes: largest version accepted.
         keep_versions: retention K.

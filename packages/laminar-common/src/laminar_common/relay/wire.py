@@ -35,6 +35,7 @@ from laminar_common.errors import (
     TransportError,
 )
 from laminar_common.relay.proto import relay_pb2
+from laminar_common.roles import Extra, Role
 
 __all__ = [
     "RELAY_ROLE",
@@ -60,13 +61,13 @@ __all__ = [
     "manifest_from_proto",
 ]
 
-RELAY_ROLE = "relay"
+RELAY_ROLE = Role.RELAY
 """Member role under which relays register."""
 MASTER_ELECTION = "relay-master"
 """Election whose owner (a relay member id) is the master relay."""
-EXTRA_DATA_ENDPOINT = "data"
+EXTRA_DATA_ENDPOINT = Extra.DATA
 """``MemberRecord.extra`` key: the relay's data-plane endpoint."""
-EXTRA_STORE = "store"
+EXTRA_STORE = Extra.STORE
 """``MemberRecord.extra`` key: ``memfd`` (same-host readers map it) or ``heap``."""
 PROTOCOL_METADATA_KEY = "laminar-protocol"
 ERROR_METADATA_KEY = "laminar-error"
