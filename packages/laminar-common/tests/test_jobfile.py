@@ -37,3 +37,14 @@ def test_per_node_replicas_are_one_locally_and_named_by_index(tmp_path):
 def test_bad_counts_name_their_field(tmp_path, extra, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_job(_job(tmp_path, extra))
+
+
+def test_ready_names_a_role_not_an_output_line(tmp_path):
+    from laminar_common.errors import ConfigError
+
+    path = tmp_path / "job.yaml"
+    path.write_text("job: j\nwait_for: t\ntiers:\n  t: {command: [x], ready: MANAGER READY}\n")
+    with pytest.raises(ConfigError, match=r"tiers\.t\.ready.*role 'MANAGER READY' is not a valid"):
+        load_job(path)
+    path.write_text("job: j\nwait_for: t\ntiers:\n  t: {command: [x], ready: manager}\n")
+    assert load_job(path).tiers["t"].ready == "manager"

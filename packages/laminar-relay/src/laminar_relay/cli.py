@@ -1,10 +1,23 @@
 """``laminar-relay``: the relay tier's command line.
 
-Owns argument parsing, loading and validating the config (file < ``LAMINAR_*``
-env < ``--set``), logging set-up and the exit code. Heavy modules (gRPC,
-ZeroMQ, the service) are imported only after the arguments are parsed, so
-``--help`` is instant; the config is validated completely before anything
+Owns argument parsing (a click group), loading and validating the config,
+logging set-up and the exit code. Heavy modules (gRPC, ZeroMQ, pydantic, the
+service) are imported only inside the command body, so ``--help`` and shell
+completion are instant; the config is validated completely before anything
 starts.
+
+Environment:
+    * Config fields: ``LAMINAR_A__B=c`` sets ``a.b`` (a YAML scalar), read by
+      :func:`laminar_common.config.load_config`; precedence is defaults <
+      ``--config`` file < ``LAMINAR_*`` env < ``--set a.b=c``.
+    * Options: ``LAMINAR_RELAY_SERVE_<OPTION>`` (click's
+      ``auto_envvar_prefix``), e.g. ``LAMINAR_RELAY_SERVE_CONFIG=relay.yaml``
+      or ``LAMINAR_RELAY_SERVE_CHECK=1``; the command line wins. ``--set`` is
+      command-line only. No option's variable names a config field.
+
+Shell completion (bash; ``zsh_source`` and ``fish_source`` likewise)::
+
+    eval "$(_LAMINAR_RELAY_COMPLETE=bash_source laminar-relay)"
 
 Exit codes: 0 closed on request (SIGINT/SIGTERM), 1 failed, 2 bad config or
 arguments.
@@ -12,44 +25,34 @@ arguments.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
-__all__ = ["main", "build_parser"]
+import click
+
+from laminar_common import clitools
+
+__all__ = ["main", "cli"]
 
 log = logging.getLogger("laminar_relay.cli")
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="laminar-relay",
-        description="Laminar relay tier: versioned weight store and pipelined chain broadcast.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = sub.add_parser(
-        "serve",
-        help="run one relay (registers in etcd, joins the chain)",
-        description="Run one relay. Config precedence: defaults < --config file < "
-        "LAMINAR_A__B env vars < --set a.b=c.",
-    )
-    serve.add_argument("--config", "-c", metavar="FILE", help="YAML or TOML config file")
-    serve.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="A.B=C",
-        help="override one config field (repeatable), e.g. --set store.keep_versions=3",
-    )
-    serve.add_argument(
-        "--check", action="store_true", help="validate the config, print it resolved, and exit"
-    )
-    return parser
+_CONTEXT = clitools.context("LAMINAR_RELAY")
+_option = clitools.option
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+@click.group(context_settings=_CONTEXT,
+             help="Laminar relay tier: versioned weight store and pipelined chain broadcast.")
+def cli() -> None:
+    """The ``laminar-relay`` group; ``serve`` imports the service when it runs."""
+
+
+@cli.command(short_help="run one relay (registers in etcd, joins the chain)",
+             help="Run one relay. Config precedence: defaults < --config file < "
+                  "LAMINAR_A__B env vars < --set a.b=c.")
+@clitools.config_option("-c")
+@clitools.set_option("--set store.keep_versions=3")
+@_option("--check", is_flag=True, help="validate the config, print it resolved, and exit")
+def serve(config: str | None, overrides: tuple[str, ...], check: bool) -> int:
     from laminar_common.config import dump_config, load_config
     from laminar_common.errors import ConfigError, LaminarError
     from laminar_common.logs import setup_logging
@@ -57,31 +60,41 @@ def main(argv: list[str] | None = None) -> int:
     from .config import RelayConfig
 
     try:
-        config = load_config(RelayConfig, args.config, args.overrides)
+        resolved = load_config(RelayConfig, config, overrides)
     except ConfigError as exc:
         print(f"laminar-relay: {exc}", file=sys.stderr)
         return 2
-    if args.check:
-        print(dump_config(config))
+    if check:
+        print(dump_config(resolved))
         return 0
 
     from .service import default_member_id, make_relay_service
 
-    if config.member_id is None:
-        config = config.model_copy(update={"member_id": default_member_id()})
+    if resolved.member_id is None:
+        resolved = resolved.model_copy(update={"member_id": default_member_id()})
     setup_logging(
-        config.logging.level,
-        job=config.job,
-        member=config.member_id or "",
-        json_format=config.logging.json_format,
+        resolved.logging.level,
+        job=resolved.job,
+        member=resolved.member_id or "",
+        json_format=resolved.logging.json_format,
     )
-    log.info("resolved config:\n%s", dump_config(config))
+    log.info("resolved config:\n%s", dump_config(resolved))
     try:
-        service = make_relay_service(config)
+        service = make_relay_service(resolved)
         return service.run_forever()
     except LaminarError as exc:
         log.error("relay failed: %s", exc)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``laminar-relay`` on ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
+
+    Usage errors print click's usage message and return 2. With
+    ``_LAMINAR_RELAY_COMPLETE`` set, prints the completion script and exits
+    (``SystemExit``), as click does.
+    """
+    return clitools.run(cli, argv, "laminar-relay")
 
 
 if __name__ == "__main__":

@@ -1,35 +1,105 @@
 """``laminar-rollout``: ``serve`` (a generation worker) and ``manage`` (the rollout manager).
 
-Arguments are parsed and the config validated completely before anything
-heavy (torch, transformers) is imported, so ``--help`` and config errors are
-instant. Logging is configured here, once.
+A click group. Arguments are parsed and the config validated completely
+before anything heavy (torch, transformers, the services) is imported, so
+``--help``, shell completion and config errors are instant. Logging is
+configured here, once.
+
+Environment:
+    * Config fields: ``LAMINAR_A__B=c`` sets ``a.b`` (a YAML scalar), read by
+      :func:`laminar_common.config.load_config`; precedence is defaults <
+      ``--config`` file < ``LAMINAR_*`` env < ``--set a.b=c``.
+    * Options: ``LAMINAR_ROLLOUT_<COMMAND>_<OPTION>`` (click's
+      ``auto_envvar_prefix``), e.g. ``LAMINAR_ROLLOUT_MANAGE_CONFIG=m.yaml``
+      or ``LAMINAR_ROLLOUT_MANAGE_RESUME=1``; the command line wins. ``--set``
+      is command-line only. No option's variable names a config field.
+
+Shell completion (bash; ``zsh_source`` and ``fish_source`` likewise)::
+
+    eval "$(_LAMINAR_ROLLOUT_COMPLETE=bash_source laminar-rollout)"
+
+Exit codes: 0 closed on request, 2 bad arguments, a bad config or a
+:class:`~laminar_common.errors.LaminarError` from the service (printed as
+one line, ``laminar-rollout CMD: ...``).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
-__all__ = ["main", "make_worker_service", "make_manager_service"]
+import click
+
+from laminar_common import clitools
+
+__all__ = ["main", "cli", "make_worker_service", "make_manager_service"]
+
+_CONTEXT = clitools.context("LAMINAR_ROLLOUT")
+_option = clitools.option
+_EPILOG = ("Config precedence: defaults < --config file < LAMINAR_A__B=c env vars "
+           "< --set a.b=c.")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="laminar-rollout",
-                                description="Laminar rollout tier: workers and the manager.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name, text in (("serve", "run a generation worker"),
-                       ("manage", "run the rollout manager")):
-        s = sub.add_parser(name, help=text)
-        s.add_argument("--config", help="YAML or TOML config file")
-        s.add_argument("--set", action="append", default=[], metavar="A.B=C",
-                       help="override a config field (repeatable)")
-        s.add_argument("--print-config", action="store_true",
-                       help="print the resolved config and exit")
-        if name == "manage":
-            s.add_argument("--resume", action="store_true",
-                           help="restore the cursor and ledger saved in state_dir")
-    return p
+def _config_options(fn):
+    """The options ``serve`` and ``manage`` share."""
+    for option in reversed((
+        clitools.config_option(),
+        clitools.set_option(),
+        _option("--print-config", is_flag=True, help="print the resolved config and exit"),
+    )):
+        fn = option(fn)
+    return fn
+
+
+@click.group(context_settings=_CONTEXT, help="Laminar rollout tier: workers and the manager.")
+def cli() -> None:
+    """The ``laminar-rollout`` group; each command imports its service when it runs."""
+
+
+@cli.command(short_help="run a generation worker", help="Run a generation worker.",
+             epilog=_EPILOG)
+@_config_options
+def serve(config: str | None, overrides: tuple[str, ...], print_config: bool) -> int:
+    return _run("serve", config, overrides, print_config, resume=False)
+
+
+@cli.command(short_help="run the rollout manager", help="Run the rollout manager.",
+             epilog=_EPILOG)
+@_config_options
+@_option("--resume", is_flag=True, help="restore the cursor and ledger saved in state_dir")
+def manage(config: str | None, overrides: tuple[str, ...], print_config: bool,
+           resume: bool) -> int:
+    return _run("manage", config, overrides, print_config, resume=resume)
+
+
+def _run(cmd: str, path: str | None, overrides: tuple[str, ...], print_config: bool,
+         resume: bool) -> int:
+    from laminar_common.config import dump_config, load_config
+    from laminar_common.errors import LaminarError
+    from laminar_common.logs import setup_logging
+
+    from .config import ManagerConfig, WorkerConfig
+
+    model = WorkerConfig if cmd == "serve" else ManagerConfig
+    try:
+        config = load_config(model, path, overrides)
+    except LaminarError as exc:
+        print(f"laminar-rollout {cmd}: {exc}", file=sys.stderr)
+        return 2
+    if print_config:
+        print(dump_config(config))
+        return 0
+    member = config.worker_id if cmd == "serve" else config.manager_id
+    setup_logging(config.logging.level, config.job, member, config.logging.json_format)
+    logging.getLogger(__name__).info("resolved config:\n%s", dump_config(config))
+    try:
+        service = make_worker_service(config) if cmd == "serve" else \
+            make_manager_service(config, resume=resume)
+        return service.run_forever()
+    except LaminarError as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        print(f"laminar-rollout {cmd}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def make_worker_service(config):
@@ -38,31 +108,13 @@ def make_worker_service(config):
     from laminar_common.etcd import make_coordinator
     from laminar_common.relay.client import RelayClient
 
-    from .engines import LogNormalLengths, make_engine
+    from .engines import make_engine_from_config
+    from .relay_fetch import make_relay_fetcher
     from .tokenizer import make_tokenizer
-    from .weights_io import make_relay_fetcher
     from .worker import WorkerService
 
     eng = config.engine
-    if eng.type == "torch":
-        import torch
-
-        torch.set_num_threads(eng.threads)
-        engine = make_engine("torch", model=eng.model_dir, max_batch=eng.max_batch,
-                             context_length=eng.context_length, device=eng.device, seed=eng.seed)
-    elif eng.type == "simulated":
-        engine = make_engine(
-            "simulated", max_batch=eng.max_batch, kv_capacity_tokens=eng.kv_capacity_tokens,
-            lengths=LogNormalLengths(median=eng.median_length, tail_ratio=eng.tail_ratio,
-                                     max_length=eng.max_length),
-            step_time_base=eng.step_time_base, step_time_per_seq=eng.step_time_per_seq,
-            prefill_time_per_token=eng.prefill_time_per_token, vocab_size=eng.vocab_size,
-            seed=eng.seed,
-        )
-    else:
-        engine = make_engine("vllm", model=eng.model_dir, max_batch=eng.max_batch,
-                             gpu_memory_utilization=eng.gpu_memory_utilization,
-                             context_length=eng.context_length, seed=eng.seed)
+    engine = make_engine_from_config(eng)
     coordinator = make_coordinator(config.etcd, config.job)
     tls = TlsFiles.client_from_dir(config.auth.dir) if config.auth.dir else None
     if config.relay is not None:
@@ -81,33 +133,13 @@ def make_manager_service(config, resume: bool = False):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from laminar_common.config import dump_config, load_config
-    from laminar_common.errors import LaminarError
-    from laminar_common.logs import setup_logging
+    """Run ``laminar-rollout`` on ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
 
-    from .config import ManagerConfig, WorkerConfig
-
-    model = WorkerConfig if args.cmd == "serve" else ManagerConfig
-    try:
-        config = load_config(model, args.config, args.set)
-    except LaminarError as exc:
-        print(f"laminar-rollout {args.cmd}: {exc}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(dump_config(config))
-        return 0
-    member = config.worker_id if args.cmd == "serve" else config.manager_id
-    setup_logging(config.logging.level, config.job, member, config.logging.json_format)
-    logging.getLogger(__name__).info("resolved config:\n%s", dump_config(config))
-    try:
-        service = make_worker_service(config) if args.cmd == "serve" else \
-            make_manager_service(config, resume=args.resume)
-        return service.run_forever()
-    except LaminarError as exc:
-        logging.getLogger(__name__).error("%s", exc)
-        print(f"laminar-rollout {args.cmd}: error: {exc}", file=sys.stderr)
-        return 2
+    Usage errors print click's usage message and return 2. With
+    ``_LAMINAR_ROLLOUT_COMPLETE`` set, prints the completion script and exits
+    (``SystemExit``), as click does.
+    """
+    return clitools.run(cli, argv, "laminar-rollout")
 
 
 if __name__ == "__main__":

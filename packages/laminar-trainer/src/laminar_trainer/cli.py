@@ -1,80 +1,60 @@
 """``laminar-trainer``: ``run`` (the trainer) and ``warmstart`` (build the demo's tiny model).
 
-Arguments are parsed and the config validated completely before torch or
-transformers are imported, so ``--help`` and config errors are instant.
-Logging is configured here, once.
+A click group. Arguments are parsed and the config validated completely
+before torch or transformers are imported, so ``--help``, shell completion
+and config errors are instant. Logging is configured here, once.
+
+Environment:
+    * Config fields of ``run``: ``LAMINAR_A__B=c`` sets ``a.b`` (a YAML
+      scalar), read by :func:`laminar_common.config.load_config`; precedence
+      is defaults < ``--config`` file < ``LAMINAR_*`` env < ``--set a.b=c``.
+    * Options: ``LAMINAR_TRAINER_<COMMAND>_<OPTION>`` (click's
+      ``auto_envvar_prefix``), e.g. ``LAMINAR_TRAINER_RUN_CONFIG=t.yaml`` or
+      ``LAMINAR_TRAINER_RUN_RESUME=1``; the command line wins. ``--set`` is
+      command-line only. No option's variable names a config field.
+
+Shell completion (bash; ``zsh_source`` and ``fish_source`` likewise)::
+
+    eval "$(_LAMINAR_TRAINER_COMPLETE=bash_source laminar-trainer)"
+
+Exit codes: 0 done, 2 bad arguments, a bad config or a
+:class:`~laminar_common.errors.LaminarError` (printed as one line,
+``laminar-trainer CMD: ...``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 
-__all__ = ["main"]
+import click
+
+from laminar_common import clitools
+
+__all__ = ["main", "cli"]
+
+_CONTEXT = clitools.context("LAMINAR_TRAINER")
+_option = clitools.option
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="laminar-trainer",
-                                description="Laminar trainer tier: streaming GRPO.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run the trainer")
-    r.add_argument("--config", help="YAML or TOML config file")
-    r.add_argument("--set", action="append", default=[], metavar="A.B=C",
-                   help="override a config field (repeatable)")
-    r.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in checkpoint.dir")
-    r.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    w = sub.add_parser("warmstart", help="build, briefly supervise and save the demo's tiny model")
-    w.add_argument("--out", required=True, help="output directory (save_pretrained)")
-    w.add_argument("--task", default="sort", help="synthetic task (sort, reverse, add)")
-    w.add_argument("--steps", type=int, default=None,
-                   help="supervised steps (the most of them with --target-accuracy)")
-    w.add_argument("--difficulty", action="append", default=[], metavar="KEY=INT",
-                   help="task difficulty override, e.g. max_len=6 (repeatable)")
-    w.add_argument("--demo-error-rate", type=float, default=0.0,
-                   help="fraction of demonstrations answering with the task's plausible mistake")
-    w.add_argument("--target-accuracy", type=float, default=None,
-                   help="stop once greedy accuracy on unseen train prompts reaches this")
-    w.add_argument("--seed", type=int, default=0, help="seed")
-    w.add_argument("--force", action="store_true", help="rebuild even if --out holds a model")
-    return p
+@click.group(context_settings=_CONTEXT, help="Laminar trainer tier: streaming GRPO.")
+def cli() -> None:
+    """The ``laminar-trainer`` group; each command imports torch only when it runs."""
 
 
-def _warmstart(args) -> int:
-    from pathlib import Path
-
-    import torch
-
-    from laminar_common.launch.tasks import parse_difficulty
-
-    from .warmstart import DEFAULT_WARM_START_STEPS, warm_start
-
-    out = Path(args.out)
-    if (out / "warm_start.json").is_file() and not args.force:
-        print(f"warm start: {out} already holds a model "
-              f"({(out / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
-        return 0
-    torch.set_num_threads(2)
-    try:
-        result = warm_start(
-            out, task=args.task, seed=args.seed,
-            steps=args.steps if args.steps is not None else DEFAULT_WARM_START_STEPS,
-            difficulty=parse_difficulty(args.task, args.difficulty),
-            demo_error_rate=args.demo_error_rate, target_accuracy=args.target_accuracy)
-    except ValueError as exc:
-        print(f"laminar-trainer warmstart: {exc}", file=sys.stderr)
-        return 2
-    print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
-                                       if isinstance(v, (int, float, str))}))
-    return 0
+@cli.command(short_help="run the trainer",
+             help="Run the trainer. Config precedence: defaults < --config file < "
+                  "LAMINAR_A__B=c env vars < --set a.b=c.")
+@clitools.config_option()
+@clitools.set_option()
+@_option("--resume", is_flag=True, help="continue from the latest checkpoint in checkpoint.dir")
+@_option("--print-config", is_flag=True, help="print the resolved config and exit")
+def run(config: str | None, overrides: tuple[str, ...], resume: bool, print_config: bool) -> int:
+    return _run(config, overrides, resume, print_config)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.cmd == "warmstart":
-        return _warmstart(args)
+def _run(path: str | None, overrides: tuple[str, ...], resume: bool, print_config: bool) -> int:
     from laminar_common.config import dump_config, load_config
     from laminar_common.errors import LaminarError
     from laminar_common.logs import setup_logging
@@ -82,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     from .config import TrainerConfig
 
     try:
-        config = load_config(TrainerConfig, args.config, args.set)
+        config = load_config(TrainerConfig, path, overrides)
         if config.model_dir is None and config.simulate is None:
             raise LaminarError("trainer config: set model_dir (or simulate, for benchmarks)")
     except LaminarError as exc:
         print(f"laminar-trainer run: {exc}", file=sys.stderr)
         return 2
-    if args.print_config:
+    if print_config:
         print(dump_config(config))
         return 0
     from .distributed import init_distributed
@@ -104,18 +84,73 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).info("resolved config:\n%s", dump_config(config))
     try:
         if dist is not None and not dist.is_main:
-            from .training import run_follower
+            from .policy import run_follower
 
             return run_follower(config, dist)
         from .service import TrainerService
 
-        return TrainerService(config, resume=args.resume, dist=dist).run_forever()
+        return TrainerService(config, resume=resume, dist=dist).run_forever()
     except LaminarError as exc:
         print(f"laminar-trainer run: error: {exc}", file=sys.stderr)
         return 2
     finally:
         if dist is not None:
             dist.close()
+
+
+@cli.command(short_help="build, briefly supervise and save the demo's tiny model",
+             help="Build, briefly supervise and save the demo's tiny model.")
+@_option("--out", required=True, type=click.Path(), help="output directory (save_pretrained)")
+@_option("--task", default="sort", help="synthetic task (sort, reverse, add)")
+@_option("--steps", type=int, default=None,
+         help="supervised steps (the most of them with --target-accuracy)")
+@_option("--difficulty", multiple=True, metavar="KEY=INT",
+         help="task difficulty override, e.g. max_len=6 (repeatable)")
+@_option("--demo-error-rate", type=float, default=0.0,
+         help="fraction of demonstrations answering with the task's plausible mistake")
+@_option("--target-accuracy", type=float, default=None,
+         help="stop once greedy accuracy on unseen train prompts reaches this")
+@_option("--seed", type=int, default=0, help="seed")
+@_option("--force", is_flag=True, help="rebuild even if --out holds a model")
+def warmstart(out: str, task: str, steps: int | None, difficulty: tuple[str, ...],
+              demo_error_rate: float, target_accuracy: float | None, seed: int,
+              force: bool) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from laminar_common.launch.tasks import parse_difficulty
+
+    from .warmstart import DEFAULT_WARM_START_STEPS, warm_start
+
+    out_dir = Path(out)
+    if (out_dir / "warm_start.json").is_file() and not force:
+        print(f"warm start: {out_dir} already holds a model "
+              f"({(out_dir / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
+        return 0
+    torch.set_num_threads(2)
+    try:
+        result = warm_start(
+            out_dir, task=task, seed=seed,
+            steps=steps if steps is not None else DEFAULT_WARM_START_STEPS,
+            difficulty=parse_difficulty(task, list(difficulty)),
+            demo_error_rate=demo_error_rate, target_accuracy=target_accuracy)
+    except ValueError as exc:
+        print(f"laminar-trainer warmstart: {exc}", file=sys.stderr)
+        return 2
+    print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
+                                       if isinstance(v, (int, float, str))}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``laminar-trainer`` on ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
+
+    Usage errors print click's usage message and return 2. With
+    ``_LAMINAR_TRAINER_COMPLETE`` set, prints the completion script and exits
+    (``SystemExit``), as click does.
+    """
+    return clitools.run(cli, argv, "laminar-trainer")
 
 
 if __name__ == "__main__":

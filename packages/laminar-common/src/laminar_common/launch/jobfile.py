@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from laminar_common.config import LaminarModel, load_config
+from laminar_common.keys import validate_name
 
 __all__ = ["EtcdSpec", "TierSpec", "JobFile", "load_job", "fill_placeholders"]
 
@@ -50,6 +51,11 @@ class TierSpec(LaminarModel):
     """Role whose etcd member records say this tier is up (``extra.ready``, e.g.
     ``manager``): the next tier starts once every replica of this one registered
     ready. None: do not wait."""
+
+    @field_validator("ready")
+    @classmethod
+    def _ready_is_a_role(cls, value: str | None) -> str | None:
+        return None if value is None else validate_name("role", value)
     resources: dict[str, float] = {}
     """Ray backend: resources each replica needs (e.g. {GPU: 1})."""
 

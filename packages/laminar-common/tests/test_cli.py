@@ -1,0 +1,186 @@
+"""``laminar``: options, env vars, ``--set``, shell completion, a slim ``--help``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from laminar_common.config import load_config
+from laminar_common.jsonl import read_jsonl
+from laminar_common.launch.cli import cli, main
+from laminar_common.launch.member import MemberConfig
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def _no_laminar_env(monkeypatch):
+    """Start every test from an environment without LAMINAR_* variables."""
+    for name in list(os.environ):
+        if name.startswith("LAMINAR_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Stand in for MemberService: record the config ``laminar member`` resolved."""
+    configs: list[MemberConfig] = []
+
+    class RecordingService:
+        def __init__(self, config: MemberConfig) -> None:
+            configs.append(config)
+
+        def run_forever(self) -> int:
+            return 0
+
+    monkeypatch.setattr("laminar_common.launch.member.MemberService", RecordingService)
+    # The CLI configures the root logger; keep pytest's handlers.
+    monkeypatch.setattr("laminar_common.logs.setup_logging", lambda *a, **k: None)
+    return configs
+
+
+def _option_envvars(command_name: str) -> dict[str, str]:
+    """``--option`` -> the variable click reads it from, as ``--help`` shows it."""
+    root = click.Context(cli, info_name="laminar", auto_envvar_prefix="LAMINAR")
+    ctx = click.Context(cli.commands[command_name], info_name=command_name, parent=root)
+    return {p.opts[0]: f"{ctx.auto_envvar_prefix}_{p.name.upper()}"
+            for p in ctx.command.params
+            if isinstance(p, click.Option) and p.allow_from_autoenv}
+
+
+def test_the_commands_and_their_options_are_those_of_before():
+    assert sorted(cli.commands) == ["demo", "etcd", "keys", "member", "prompts", "report",
+                                    "status", "up"]
+    opts = {name: {o for p in cmd.params for o in p.opts} for name, cmd in cli.commands.items()}
+    assert opts["up"] == {"job", "--set", "--backend", "--ray-address", "--num-cpus"}
+    assert opts["status"] >= {"--etcd", "--job", "--auth-dir", "--etcd-ca", "--etcd-cert",
+                              "--etcd-key"}
+    assert opts["prompts"] >= {"--task", "--n", "--split", "--seed", "--out", "--difficulty"}
+    assert opts["keys"] >= {"--out", "--etcd", "--etcd-host"}
+    assert _option_envvars("status")["--job"] == "LAMINAR_STATUS_JOB"
+    defaults = {p.name: p.default for p in cli.commands["status"].params}
+    assert defaults["etcd"] == "127.0.0.1:2379"
+    defaults = {p.name: p.default for p in cli.commands["demo"].params}
+    assert defaults["members"] == 3 and defaults["ttl"] == 3
+
+
+@pytest.mark.parametrize("command", sorted(cli.commands))
+def test_help_of_every_command_lists_its_options_and_env_vars(command, capsys):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Usage: laminar {command} [OPTIONS]")
+    for param in cli.commands[command].params:
+        if isinstance(param, click.Option):
+            for opt in param.opts:
+                assert opt in out, (opt, out)
+        else:
+            assert param.human_readable_name in out, (param.name, out)
+    flat = out.replace("\n", "").replace(" ", "")
+    for envvar in _option_envvars(command).values():
+        assert envvar in flat, (envvar, out)
+
+
+def test_a_laminar_env_var_reaches_the_member_config_and_set_wins(monkeypatch, started):
+    monkeypatch.setenv("LAMINAR_ETCD__TTL_S", "7")
+    monkeypatch.setenv("LAMINAR_ROLE", "probe-env")
+    monkeypatch.setenv("LAMINAR_MEMBER_ID", "from-env")
+    assert main(["member", "--set", "member_id=from-set", "--set", "job=j"]) == 0
+    (config,) = started
+    assert (config.etcd.ttl_s, config.role, config.member_id, config.job) == (
+        7, "probe-env", "from-set", "j")
+
+
+def test_options_come_from_their_env_vars(monkeypatch, tmp_path, started, capsys):
+    path = tmp_path / "member.yaml"
+    path.write_text("member_id: from-file\n")
+    monkeypatch.setenv("LAMINAR_MEMBER_CONFIG", str(path))
+    assert main(["member"]) == 0
+    assert started[0].member_id == "from-file"
+
+    out = tmp_path / "p.jsonl"
+    monkeypatch.setenv("LAMINAR_PROMPTS_N", "7")
+    monkeypatch.setenv("LAMINAR_PROMPTS_TASK", "add")
+    monkeypatch.setenv("LAMINAR_PROMPTS_OUT", str(out))
+    assert main(["prompts", "--seed", "3"]) == 0
+    records = read_jsonl(out)
+    assert len(records) == 7 and {r["task"] for r in records} == {"add"}
+
+    monkeypatch.setenv("LAMINAR_UP_BACKEND", "slurm")
+    assert main(["up", str(tmp_path / "job.yaml")]) == 2
+    assert "Invalid value for '--backend'" in capsys.readouterr().err
+
+
+def test_set_reaches_the_config_and_a_bad_field_path_fails_naming_it(started, capsys):
+    assert main(["member", "--set", "etcd.ttl_s=4", "--set", "role=x"]) == 0
+    assert (started[0].etcd.ttl_s, started[0].role) == (4, "x")
+    assert main(["member", "--set", "etcd.ttl=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("laminar member: error: invalid MemberConfig")
+    assert "etcd.ttl: unknown field; did you mean 'ttl_s'?" in err
+    assert len(started) == 1  # nothing started on a bad config
+
+
+def test_up_refuses_a_bad_job_file_override_before_starting_anything(capsys):
+    job = str(REPO / "examples" / "simulated.yaml")
+    assert main(["up", job, "--set", "tiers.relay.replicaz=2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("laminar up: error: ")
+    assert "tiers.relay.replicaz: unknown field" in captured.err
+    assert "started " not in captured.out
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["status"]) == 2
+    assert "Missing option '--job'" in capsys.readouterr().err
+    assert main(["prompts", "--out", "x.jsonl", "--split", "test"]) == 2
+    assert main(["demo", "--members", "three"]) == 2
+    assert main(["no-such-command"]) == 2
+    assert main([]) == 2
+
+
+def test_no_option_env_var_is_read_as_a_config_field():
+    base = load_config(MemberConfig, env={})
+    for command in cli.commands:
+        for envvar in _option_envvars(command).values():
+            assert load_config(MemberConfig, env={envvar: "1"}) == base, envvar
+
+
+def test_completion_script_and_completions(monkeypatch):
+    runner = CliRunner()
+    script = runner.invoke(cli, [], prog_name="laminar", env={"_LAMINAR_COMPLETE": "bash_source"})
+    assert script.exit_code == 0
+    assert "complete -o nosort -F _laminar_completion laminar" in script.output
+    words = runner.invoke(cli, [], prog_name="laminar",
+                          env={"_LAMINAR_COMPLETE": "bash_complete",
+                               "COMP_WORDS": "laminar prompts --split ", "COMP_CWORD": "3"})
+    assert words.output.split() == ["plain,train", "plain,eval"]
+    words = runner.invoke(cli, [], prog_name="laminar",
+                          env={"_LAMINAR_COMPLETE": "bash_complete",
+                               "COMP_WORDS": "laminar st", "COMP_CWORD": "1"})
+    assert words.output.split() == ["plain,status"]
+    monkeypatch.setenv("_LAMINAR_COMPLETE", "bash_source")
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 0
+
+
+def test_help_of_every_command_imports_nothing_heavy():
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from laminar_common.launch.cli import cli, main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]\n"
+        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'vllm', 'tokenizers', 'pydantic', 'zmq', 'grpc'))]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    codes, heavy = json.loads(out.stdout)
+    assert set(codes) == {0} and len(codes) == len(cli.commands) + 1 and heavy == []

@@ -1,0 +1,134 @@
+"""``laminar-trainer``: options, env vars, ``--set``, shell completion, a slim ``--help``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from laminar_common.config import load_config
+from laminar_trainer.cli import cli, main
+from laminar_trainer.config import TrainerConfig
+
+SIMULATE = ["--set", "simulate.step_s=0"]  # run needs model_dir or simulate
+
+
+@pytest.fixture(autouse=True)
+def _no_laminar_env(monkeypatch):
+    """Start every test from an environment without LAMINAR_* variables."""
+    for name in list(os.environ):
+        if name.startswith("LAMINAR_"):
+            monkeypatch.delenv(name)
+
+
+def _option_envvars(command_name: str) -> dict[str, str]:
+    """``--option`` -> the variable click reads it from, as ``--help`` shows it."""
+    root = click.Context(cli, info_name="laminar-trainer", auto_envvar_prefix="LAMINAR_TRAINER")
+    ctx = click.Context(cli.commands[command_name], info_name=command_name, parent=root)
+    return {p.opts[0]: f"{ctx.auto_envvar_prefix}_{p.name.upper()}"
+            for p in ctx.command.params
+            if isinstance(p, click.Option) and p.allow_from_autoenv}
+
+
+def test_the_commands_and_their_options_are_those_of_before():
+    assert sorted(cli.commands) == ["run", "warmstart"]
+    assert set(_option_envvars("run")) == {"--config", "--resume", "--print-config"}
+    assert set(_option_envvars("warmstart")) == {
+        "--out", "--task", "--steps", "--difficulty", "--demo-error-rate", "--target-accuracy",
+        "--seed", "--force"}
+    assert _option_envvars("run")["--resume"] == "LAMINAR_TRAINER_RUN_RESUME"
+    defaults = {p.name: p.default for p in cli.commands["warmstart"].params}
+    assert defaults["task"] == "sort" and defaults["seed"] == 0
+    assert defaults["demo_error_rate"] == 0.0 and defaults["steps"] is None
+
+
+@pytest.mark.parametrize("command", sorted(cli.commands))
+def test_help_of_every_command_lists_its_options_and_env_vars(command, capsys):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Usage: laminar-trainer {command} [OPTIONS]")
+    for param in cli.commands[command].params:
+        for opt in param.opts:
+            assert opt in out, (opt, out)
+    flat = out.replace("\n", "").replace(" ", "")
+    for envvar in _option_envvars(command).values():
+        assert envvar in flat, (envvar, out)
+
+
+def test_a_laminar_env_var_reaches_the_config_and_set_wins(monkeypatch, capsys):
+    monkeypatch.setenv("LAMINAR_BATCH_GROUPS", "3")
+    monkeypatch.setenv("LAMINAR_CHECKPOINT__EVERY_STEPS", "9")
+    monkeypatch.setenv("LAMINAR_TOTAL_STEPS", "100")
+    assert main(["run", *SIMULATE, "--set", "total_steps=7", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "batch_groups: 3" in out and "every_steps: 9" in out and "total_steps: 7" in out
+
+
+def test_options_come_from_their_env_vars(monkeypatch, tmp_path, capsys):
+    path = tmp_path / "trainer.yaml"
+    path.write_text("job: from-file\nsimulate: {step_s: 0}\n")
+    monkeypatch.setenv("LAMINAR_TRAINER_RUN_CONFIG", str(path))
+    monkeypatch.setenv("LAMINAR_TRAINER_RUN_PRINT_CONFIG", "yes")
+    assert main(["run"]) == 0  # --print-config from the env: prints, starts nothing
+    assert "job: from-file" in capsys.readouterr().out
+
+
+def test_a_bad_field_path_fails_naming_it(capsys):
+    assert main(["run", *SIMULATE, "--set", "optim.lr_warmup=3", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("laminar-trainer run: invalid TrainerConfig")
+    assert "optim.lr_warmup: unknown field" in err
+    assert main(["run", "--print-config"]) == 2
+    assert "set model_dir (or simulate, for benchmarks)" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["warmstart"]) == 2  # --out is required
+    assert "Missing option '--out'" in capsys.readouterr().err
+    assert main(["warmstart", "--out", "x", "--steps", "many"]) == 2
+    assert main(["run", "--no-such-option"]) == 2
+    assert main([]) == 2
+
+
+def test_no_option_env_var_is_read_as_a_config_field():
+    base = load_config(TrainerConfig, env={})
+    for command in cli.commands:
+        for envvar in _option_envvars(command).values():
+            assert load_config(TrainerConfig, env={envvar: "1"}) == base, envvar
+
+
+def test_completion_script_and_completions(monkeypatch):
+    runner = CliRunner()
+    script = runner.invoke(cli, [], prog_name="laminar-trainer",
+                           env={"_LAMINAR_TRAINER_COMPLETE": "bash_source"})
+    assert script.exit_code == 0
+    assert "complete -o nosort -F _laminar_trainer_completion laminar-trainer" in script.output
+    words = runner.invoke(cli, [], prog_name="laminar-trainer",
+                          env={"_LAMINAR_TRAINER_COMPLETE": "bash_complete",
+                               "COMP_WORDS": "laminar-trainer warmstart --t", "COMP_CWORD": "2"})
+    assert words.output.split() == ["plain,--task", "plain,--target-accuracy"]
+    monkeypatch.setenv("_LAMINAR_TRAINER_COMPLETE", "bash_source")
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 0
+
+
+def test_help_and_print_config_import_no_torch():
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from laminar_trainer.cli import cli, main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]\n"
+        "    codes.append(main(['run', '--set', 'simulate.step_s=0', '--print-config']))\n"
+        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'tokenizers'))]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    codes, heavy = json.loads(out.stdout)
+    assert codes == [0, 0, 0, 0] and heavy == []
