@@ -1,16 +1,17 @@
 """Config of the rollout tier: ``WorkerConfig`` (``serve``) and ``ManagerConfig`` (``manage``).
 
 Each is one frozen pydantic model; the engine is a discriminated union on
-``type`` (``torch | simulated | vllm``). Components never receive these
+``type`` (``torch | simulated | vllm | custom``). Components never receive these
 models: ``make_*`` builders turn them into plain constructor arguments.
 """
 
 from __future__ import annotations
 
+import re
 import socket
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from laminar_common.config import (
     AuthConfig,
@@ -24,6 +25,7 @@ __all__ = [
     "TorchEngineConfig",
     "SimulatedEngineConfig",
     "VllmEngineConfig",
+    "CustomEngineConfig",
     "EngineConfig",
     "SamplingConfig",
     "WorkerConfig",
@@ -95,8 +97,39 @@ class VllmEngineConfig(LaminarModel):
     """Sampling seed."""
 
 
+_FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+class CustomEngineConfig(LaminarModel):
+    """Your own :class:`~laminar_rollout.engines.GenerationEngine`, built by your factory.
+
+    The worker calls ``factory(**options)`` once at start and drives what it
+    returns like any engine (weights arrive through ``load_weights`` as named
+    tensors fetched from the relay tier).
+    """
+
+    type: Literal["custom"] = "custom"
+    factory: str
+    """``package.module:function`` (importable by the worker) returning a GenerationEngine."""
+    options: dict[str, Any] = {}
+    """Keyword arguments of the factory."""
+    tokenizer_dir: str | None = None
+    """A save_pretrained directory whose tokenizer turns prompts into token ids; unset:
+    the byte tokenizer (as the simulated engine uses)."""
+
+    @field_validator("factory")
+    @classmethod
+    def _factory_spec(cls, value: str) -> str:
+        # Only the form here: importing user code belongs to the engine factory, after the
+        # whole config is valid (and --help, --print-config stay instant).
+        if not _FACTORY.fullmatch(value):
+            raise ValueError(f"{value!r} is not 'package.module:function'")
+        return value
+
+
 EngineConfig = Annotated[
-    TorchEngineConfig | SimulatedEngineConfig | VllmEngineConfig, Field(discriminator="type")
+    TorchEngineConfig | SimulatedEngineConfig | VllmEngineConfig | CustomEngineConfig,
+    Field(discriminator="type"),
 ]
 
 

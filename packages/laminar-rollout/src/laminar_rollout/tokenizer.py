@@ -50,6 +50,13 @@ class ByteTokenizer:
 
 
 def make_tokenizer(engine_config) -> Tokenizer:
+    """The tokenizer a worker's ``engine`` config implies: bytes for the simulated
+    engine (and a custom one without ``tokenizer_dir``), else the Hugging Face
+    tokenizer in ``model_dir`` / ``tokenizer_dir``."""
     if engine_config.type == "simulated":
         return ByteTokenizer()
+    if engine_config.type == "custom":
+        if engine_config.tokenizer_dir is None:
+            return ByteTokenizer()
+        return HfTokenizer(engine_config.tokenizer_dir)
     return HfTokenizer(engine_config.model_dir)

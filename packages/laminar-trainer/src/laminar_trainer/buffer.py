@@ -38,69 +38,14 @@ from __future__ import annotations
 
 import collections
 import enum
-import heapq
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from laminar_common.codec import Trajectory
+from laminar_common.consumed import ConsumedIds
 
 __all__ = ["Added", "ConsumedIds", "ExperienceBuffer", "Group", "BufferStats"]
-
-
-class ConsumedIds:
-    """The trajectory ids consumed so far, compacted below the manager's watermark.
-
-    ``watermark``: every group numbered below it is settled at the manager. Ids
-    of groups at or above it (or of unnumbered groups, ``group_seq`` -1) are
-    kept one by one; the rest are dropped as the watermark moves.
-    """
-
-    def __init__(self, ids: Iterable[str] = (), seqs: Iterable[int] | None = None,
-                 watermark: int = -1) -> None:
-        self.watermark = watermark
-        self._recent: dict[str, int] = {}
-        self.failed: dict[str, str] = {}
-        """Ids given up on (never trained), with why: a later copy of one is answered
-        with its rejection again, never with an ack."""
-        self._heap: list[tuple[int, str]] = []
-        ids = list(ids)
-        for tid, seq in zip(ids, seqs if seqs is not None else [-1] * len(ids), strict=True):
-            self.add(tid, seq)
-
-    def add(self, tid: str, seq: int = -1) -> None:
-        if seq >= 0 and seq < self.watermark:
-            return
-        self._recent[tid] = seq
-        if seq >= 0:
-            heapq.heappush(self._heap, (seq, tid))
-
-    def covers(self, tid: str, seq: int) -> bool:
-        """Was ``tid`` (of group ``seq``) consumed, or is its group settled?"""
-        return (0 <= seq < self.watermark) or tid in self._recent
-
-    def advance(self, settled_below: int) -> None:
-        """The manager's watermark moved: forget the ids of groups below it."""
-        if settled_below <= self.watermark:
-            return
-        self.watermark = settled_below
-        while self._heap and self._heap[0][0] < settled_below:
-            _, tid = heapq.heappop(self._heap)
-            self._recent.pop(tid, None)
-            self.failed.pop(tid, None)  # settled at the manager: rejected for good
-
-    def items(self) -> list[tuple[str, int]]:
-        """``(id, group_seq)`` of every id kept, sorted by id (for checkpoints)."""
-        return sorted(self._recent.items())
-
-    def __contains__(self, tid: object) -> bool:
-        return tid in self._recent
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._recent)
-
-    def __len__(self) -> int:
-        return len(self._recent)
 
 
 @dataclass

@@ -48,6 +48,7 @@ from laminar_common.roles import Extra, Role, State
 from laminar_common.service import Service
 from laminar_common.status import StatusWriter
 from laminar_common.transport import PullReceiver, PushSender, make_pull_receiver, make_push_sender
+from laminar_common.validation import REASONS, Invalid, check_trajectory
 
 from .buffer import Added, ConsumedIds, ExperienceBuffer, Group
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -57,7 +58,6 @@ from .policy import Training, build_training, evaluate_records, restore_training
 from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
 from .step import StepResult, train_step
 from .tracking import MultiTracker, make_trackers
-from .validation import REASONS, Invalid, check_trajectory
 from .version import __version__
 
 __all__ = ["TrainerService"]

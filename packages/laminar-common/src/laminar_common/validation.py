@@ -1,0 +1,95 @@
+"""Content validation of trajectories at a trainer's door, before they are buffered.
+
+Owns :func:`check_trajectory`: the codec already proved a frame is a
+well-formed :class:`~laminar_common.codec.Trajectory`; this checks that what
+it says can be trained on without crashing the step or poisoning the weights.
+A failed check returns an :class:`Invalid` with a short ``reason`` (a metrics
+label) and a ``detail`` naming the trajectory, its worker and the value.
+
+Checks, in order: group fields (``group_size`` >= 1, ``0 <= sample_index <
+group_size``, a watermark ``settled_below`` not past its own ``group_seq``),
+a non-empty prompt and response, as many behaviour log-probs
+as response tokens, token ids inside the model's vocabulary, a finite reward,
+finite log-probs that are <= 0, and a policy version the trainer has
+published (``0 <= policy_version <= trainer_version``). Consistency with the
+group's other members (same ``group_size``) is checked by the buffer, which
+holds them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from laminar_common.codec import Trajectory
+
+__all__ = ["Invalid", "check_trajectory", "REASONS"]
+
+REASONS = ("bad-group", "empty-prompt", "empty-response", "length-mismatch",
+           "token-out-of-range", "non-finite-reward", "bad-logprob", "bad-version",
+           "group-mismatch")
+"""Every reason a trajectory can be rejected for (metrics labels)."""
+
+_LOGPROB_SLACK = 1e-3
+"""Log-probs a little above 0 are float rounding of a probability of 1."""
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """Why a trajectory cannot be trained on: a short ``reason`` and a ``detail``."""
+
+    reason: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}"
+
+
+def _bad_token(ids: tuple[int, ...], vocab_size: int | None) -> int | None:
+    for tok in ids:
+        if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            return tok
+    return None
+
+
+def check_trajectory(traj: Trajectory, vocab_size: int | None = None,
+                     trainer_version: int | None = None) -> Invalid | None:
+    """None if ``traj`` can be trained on, else why not (see module docstring).
+
+    Args:
+        vocab_size: the model's vocabulary; None (the simulated training step)
+            skips the vocabulary bound but still refuses negative ids.
+        trainer_version: the newest published weight version; None skips the
+            upper bound (a stack that does not publish through the relay tier).
+    """
+    who = f"trajectory {traj.trajectory_id!r} from worker {traj.worker_id!r}"
+    if traj.group_size < 1 or not 0 <= traj.sample_index < traj.group_size:
+        return Invalid("bad-group", f"{who}: sample_index {traj.sample_index} of a group of "
+                                    f"{traj.group_size}")
+    if traj.settled_below > traj.group_seq >= 0:
+        # The manager stamps its watermark when it dispatches, while this group is open:
+        # a watermark past the trajectory's own group is wrong (and would hide groups).
+        return Invalid("bad-group", f"{who}: watermark {traj.settled_below} is past its own "
+                                    f"group {traj.group_seq}")
+    if not traj.prompt_token_ids:
+        return Invalid("empty-prompt", f"{who}: no prompt tokens")
+    if not traj.response_token_ids:
+        return Invalid("empty-response", f"{who}: no response tokens")
+    if len(traj.behaviour_logprobs) != len(traj.response_token_ids):
+        return Invalid("length-mismatch", f"{who}: {len(traj.behaviour_logprobs)} behaviour "
+                                          f"log-probs for {len(traj.response_token_ids)} tokens")
+    for part, ids in (("prompt", traj.prompt_token_ids), ("response", traj.response_token_ids)):
+        tok = _bad_token(ids, vocab_size)
+        if tok is not None:
+            return Invalid("token-out-of-range", f"{who}: {part} token id {tok} outside the "
+                                                 f"vocabulary [0, {vocab_size})")
+    if not math.isfinite(traj.reward):
+        return Invalid("non-finite-reward", f"{who}: reward {traj.reward}")
+    for i, lp in enumerate(traj.behaviour_logprobs):
+        if not math.isfinite(lp) or lp > _LOGPROB_SLACK:
+            return Invalid("bad-logprob", f"{who}: behaviour log-prob {lp} at token {i}")
+    if traj.policy_version < 0 or (trainer_version is not None
+                                   and traj.policy_version > trainer_version):
+        return Invalid("bad-version", f"{who}: policy version {traj.policy_version} but the "
+                                      f"trainer has published up to {trainer_version}")
+    return None

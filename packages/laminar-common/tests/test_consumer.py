@@ -1,0 +1,258 @@
+"""TrajectoryConsumer over the inproc transport and the in-memory etcd twin.
+
+The test plays the other tiers: a "worker" pushes trajectories to the consumer's
+address, a "manager" registers a record whose ``extra["ack"]`` is an inproc PULL
+receiver expecting exactly what the real manager's ack socket expects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import pytest
+
+from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
+from laminar_common.consumer import ConsumedIds, TrajectoryConsumer, check_trajectory
+from laminar_common.launch.readiness import wait_ready
+from laminar_common.membership import (
+    InMemoryCoordinator,
+    InMemoryEtcd,
+    MemberRecord,
+    VersionRecord,
+)
+from laminar_common.roles import Extra, Role
+from laminar_common.transport import make_pull_receiver, make_push_sender
+
+_names = itertools.count()
+
+
+def traj(tid: str = "p0#0", seq: int = 0, settled: int = -1, **fields) -> Trajectory:
+    prompt, index = tid.split("#")
+    base = dict(trajectory_id=tid, prompt_id=prompt, group_size=2, sample_index=int(index),
+                worker_id="w0", policy_version=0, prompt_token_ids=(1, 2),
+                response_token_ids=(3, 4), behaviour_logprobs=(-0.1, -0.2), reward=1.0,
+                finish_reason="stop", group_seq=seq, settled_below=settled)
+    return Trajectory(**(base | fields))
+
+
+class Manager:
+    """A stand-in manager: a record in etcd and its ack socket."""
+
+    def __init__(self, store: InMemoryEtcd, started_at: float) -> None:
+        self.rx = make_pull_receiver(f"inproc://acks-{next(_names)}",
+                                     expect=(Ack, TrajectoryRejected))
+        self.coord = InMemoryCoordinator(store, "job")
+        self.coord.register(MemberRecord(member_id="manager", role=Role.MANAGER,
+                                         started_at=started_at,
+                                         extra={Extra.ACK: self.rx.endpoint}))
+
+    def received(self, timeout_s: float = 0.5) -> list[Ack | TrajectoryRejected]:
+        out = []
+        msg = self.rx.recv(timeout_s=timeout_s)
+        while msg is not None:
+            out.append(msg)
+            msg = self.rx.recv(timeout_s=0.05)
+        return out
+
+    def acked(self, timeout_s: float = 0.5) -> list[str]:
+        return [t for m in self.received(timeout_s) if isinstance(m, Ack) for t in m.trajectory_ids]
+
+    def stop(self) -> None:
+        self.coord.close()
+        self.rx.close()
+
+
+@pytest.fixture
+def store():
+    return InMemoryEtcd()
+
+
+@pytest.fixture
+def make_consumer(store):
+    made = []
+
+    def make(**kwargs) -> tuple[TrajectoryConsumer, object]:
+        consumer = TrajectoryConsumer(InMemoryCoordinator(store, "job"),
+                                      listen=f"inproc://trainer-{next(_names)}",
+                                      owns_coordinator=True, **kwargs)
+        made.append(consumer)
+        return consumer, make_push_sender(consumer.endpoint)
+
+    yield make
+    for consumer in made:
+        consumer.close(timeout_s=0)
+
+
+def test_registers_a_ready_trainer_record_at_its_address(store, make_consumer):
+    consumer, _ = make_consumer(extra={Extra.METRICS: "http://x/metrics"})
+    [rec] = wait_ready(InMemoryCoordinator(store, "job"), Role.TRAINER, "trainer", timeout_s=1)
+    assert rec.address == consumer.endpoint
+    assert rec.extra[Extra.METRICS] == "http://x/metrics"
+    consumer.close()
+    assert InMemoryCoordinator(store, "job").members(Role.TRAINER) == {}
+
+
+def test_each_id_is_returned_once_and_acks_reach_the_manager(store, make_consumer):
+    manager = Manager(store, started_at=1.0)
+    consumer, worker = make_consumer()
+    for t in (traj("p0#0"), traj("p0#1"), traj("p0#0")):
+        worker.send(t)
+    got = [consumer.poll(timeout_s=1), consumer.poll(timeout_s=1), consumer.poll(timeout_s=0.2)]
+    assert [t.trajectory_id for t in got[:2]] == ["p0#0", "p0#1"] and got[2] is None
+    assert consumer.stats.duplicates == 1 and consumer.stats.reacked == 0
+    assert sorted(consumer.pending) == ["p0#0", "p0#1"]
+    assert manager.acked(timeout_s=0.1) == []  # nothing is acked for you
+
+    consumer.ack(["p0#0", "p0#1"])
+    assert sorted(manager.acked()) == ["p0#0", "p0#1"]
+    assert consumer.pending == []
+    # A copy of an acked id (a worker re-sending it) is acked again, not returned.
+    worker.send(traj("p0#1"))
+    assert consumer.poll(timeout_s=0.3) is None
+    assert manager.acked() == ["p0#1"]
+    assert consumer.stats.reacked == 1 and consumer.stats.delivered == 2
+
+
+def test_acks_wait_for_a_manager_to_register(store, make_consumer):
+    consumer, worker = make_consumer()
+    worker.send(traj("p0#0"))
+    consumer.ack([consumer.poll(timeout_s=1).trajectory_id])
+    assert consumer.flush() is False
+    manager = Manager(store, started_at=1.0)
+    assert consumer.poll(timeout_s=0.3) is None  # a waiting poll sends what is queued
+    assert manager.acked() == ["p0#0"]
+
+
+def test_bad_contents_are_rejected_then_given_up_on(store, make_consumer):
+    manager = Manager(store, started_at=1.0)
+    consumer, worker = make_consumer(max_rejections=2)
+    bad = traj("p0#0", behaviour_logprobs=(-0.1,))
+    for _ in range(3):
+        worker.send(bad)
+    assert consumer.poll(timeout_s=0.5) is None
+    notes = manager.received()
+    assert [(n.trajectory_id, n.final) for n in notes] == [("p0#0", False), ("p0#0", True),
+                                                           ("p0#0", True)]
+    assert all(isinstance(n, TrajectoryRejected) and n.reason.startswith("length-mismatch")
+               for n in notes)
+    # Given up on: even a good copy is answered with the rejection, never returned or acked.
+    worker.send(traj("p0#0"))
+    assert consumer.poll(timeout_s=0.3) is None
+    [note] = manager.received()
+    assert isinstance(note, TrajectoryRejected) and note.final
+    # The third copy was already given up on: answered, not checked (or counted) again.
+    assert consumer.stats.rejected["length-mismatch"] == 2 and consumer.stats.failed == 1
+    assert consumer.stats.duplicates == 2 and consumer.stats.delivered == 0
+
+
+def test_a_version_newer_than_published_is_rejected(store, make_consumer):
+    publisher = InMemoryCoordinator(store, "job")
+    publisher.publish_version(VersionRecord(version=2))
+    manager = Manager(store, started_at=1.0)
+    consumer, worker = make_consumer()
+    worker.send(traj("p0#0", policy_version=5))
+    worker.send(traj("p0#1", policy_version=2))
+    assert consumer.poll(timeout_s=1).trajectory_id == "p0#1"
+    assert consumer.latest_version == 2
+    [note] = manager.received()
+    assert note.trajectory_id == "p0#0" and note.reason.startswith("bad-version")
+    assert not note.final
+
+
+def test_caller_rejections(store, make_consumer):
+    manager = Manager(store, started_at=1.0)
+    consumer, worker = make_consumer()
+    worker.send(traj("p0#0"))
+    worker.send(traj("p0#1"))
+    a, b = consumer.poll(timeout_s=1), consumer.poll(timeout_s=1)
+    consumer.reject(a.trajectory_id, "too long for my model")
+    consumer.reject(b.trajectory_id, "garbage", final=True)
+    notes = manager.received()
+    assert [(n.trajectory_id, n.final, n.reason) for n in notes] == [
+        ("p0#0", False, "too long for my model"), ("p0#1", True, "garbage")]
+    with pytest.raises(ValueError, match="not returned by poll"):
+        consumer.reject("p0#0", "again")
+    # Not final: the manager generates it again and the new copy is a new trajectory.
+    worker.send(traj("p0#0"))
+    worker.send(traj("p0#1"))
+    assert consumer.poll(timeout_s=1).trajectory_id == "p0#0"
+    assert consumer.poll(timeout_s=0.3) is None
+    assert consumer.stats.caller_rejections == 2
+
+
+def test_a_restarted_manager_gets_the_unsettled_acks_again(store, make_consumer):
+    old = Manager(store, started_at=1.0)
+    consumer, worker = make_consumer()
+    for tid, seq in (("p0#0", 0), ("p0#1", 0), ("p1#0", 1)):
+        worker.send(traj(tid, seq=seq))
+    ids = [consumer.poll(timeout_s=1).trajectory_id for _ in range(3)]
+    consumer.ack(ids)
+    assert sorted(old.acked()) == sorted(ids)
+    # The manager settled group 0; a trajectory says so, and the consumer forgets its ids.
+    worker.send(traj("p2#0", seq=2, settled=1))
+    assert consumer.poll(timeout_s=1).trajectory_id == "p2#0"
+    old.stop()
+    new = Manager(store, started_at=2.0)
+    assert consumer.poll(timeout_s=0.3) is None
+    # Group 1's ack may predate the new incarnation's restored ledger: sent again. Group 0
+    # is settled (below the watermark); p2#0 is not acked yet.
+    assert new.acked() == ["p1#0"]
+    assert consumer.stats.manager_switches == 2
+    # A copy of a settled group's trajectory is dropped (and acked again for its worker).
+    worker.send(traj("p0#0", seq=0))
+    assert consumer.poll(timeout_s=0.3) is None
+    assert new.acked() == ["p0#0"]
+
+
+def test_state_survives_a_restart(store, make_consumer):
+    manager = Manager(store, started_at=1.0)
+    first, worker = make_consumer()
+    for tid in ("p0#0", "p0#1", "p1#0"):
+        worker.send(traj(tid, seq=int(tid[1])))
+    got = [first.poll(timeout_s=1).trajectory_id for _ in range(3)]
+    # Checkpoint covers p0#0 and p0#1 (p1#0 is still in the caller's own buffer); the
+    # process dies before acking.
+    saved = first.state(untrained=["p1#0"])
+    first.close(timeout_s=0)
+    assert manager.acked(timeout_s=0.1) == []
+    second, worker = make_consumer(state=saved)
+    for tid in got:
+        worker.send(traj(tid, seq=int(tid[1])))
+    assert second.poll(timeout_s=1).trajectory_id == "p1#0"
+    assert second.poll(timeout_s=0.3) is None
+    # What the checkpoint covered is acked by the new incarnation, and never returned.
+    assert sorted(set(manager.acked())) == ["p0#0", "p0#1"]
+    with pytest.raises(ValueError, match="malformed"):
+        make_consumer(state={"consumed": [["p0#0"]]})
+
+
+def test_consumed_ids_compact_below_the_watermark():
+    ids = ConsumedIds(["a", "b", "c"], [0, 1, -1])
+    ids.advance(1)
+    assert "a" not in ids and ids.covers("a", 0)  # settled group: covered without a record
+    assert "b" in ids and "c" in ids and not ids.covers("d", 1)
+    ids.discard("b")
+    assert not ids.covers("b", 1)
+
+
+def test_check_trajectory_reasons():
+    assert check_trajectory(traj()) is None
+    cases = {
+        "bad-group": traj(sample_index=2), "empty-response": traj(response_token_ids=(),
+                                                                   behaviour_logprobs=()),
+        "token-out-of-range": traj(response_token_ids=(3, 99)),
+        "non-finite-reward": traj(reward=float("nan")), "bad-logprob": traj(
+            behaviour_logprobs=(0.5, -0.1)), "bad-version": traj(policy_version=-1),
+    }
+    for reason, bad in cases.items():
+        assert check_trajectory(bad, vocab_size=50).reason == reason
+    assert check_trajectory(traj(seq=0, settled=3)).reason == "bad-group"
+    assert check_trajectory(traj(policy_version=4), trainer_version=3).reason == "bad-version"
+
+
+def test_importing_the_consumer_does_not_import_torch():
+    code = ("import sys, laminar_common.consumer; "
+            "sys.exit(any(m.split('.')[0] == 'torch' for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
