@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +15,14 @@ from laminar_common.config import load_config
 from laminar_common.jsonl import read_jsonl
 from laminar_common.launch.cli import cli, main
 from laminar_common.launch.member import MemberConfig
+from laminar_common.testing import clear_laminar_env, option_envvars
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)
 def _no_laminar_env(monkeypatch):
-    """Start every test from an environment without LAMINAR_* variables."""
-    for name in list(os.environ):
-        if name.startswith("LAMINAR_"):
-            monkeypatch.delenv(name)
+    clear_laminar_env(monkeypatch)
 
 
 @pytest.fixture
@@ -47,12 +44,7 @@ def started(monkeypatch):
 
 
 def _option_envvars(command_name: str) -> dict[str, str]:
-    """``--option`` -> the variable click reads it from, as ``--help`` shows it."""
-    root = click.Context(cli, info_name="laminar", auto_envvar_prefix="LAMINAR")
-    ctx = click.Context(cli.commands[command_name], info_name=command_name, parent=root)
-    return {p.opts[0]: f"{ctx.auto_envvar_prefix}_{p.name.upper()}"
-            for p in ctx.command.params
-            if isinstance(p, click.Option) and p.allow_from_autoenv}
+    return option_envvars(cli, "laminar", "LAMINAR", command_name)
 
 
 def test_the_commands_and_their_options_are_those_of_before():

@@ -166,3 +166,17 @@ def test_bind_conflict_is_a_transport_error():
     with pytest.raises(TransportError, match="cannot bind"):
         ZmqPullReceiver(first.endpoint)
     first.close()
+
+
+def test_every_sender_closes_with_a_linger_over_either_transport():
+    """Services call ``close(linger_s=...)`` without knowing the transport behind it."""
+    from laminar_common.transport import make_pull_receiver, make_push_sender
+
+    for endpoint in ("inproc://linger-test", "tcp://127.0.0.1:0"):
+        rx = make_pull_receiver(endpoint)
+        tx = make_push_sender(rx.endpoint)
+        tx.send(codec.Ack(trajectory_ids=("a",), trainer_step=1, trainer_version=1))
+        tx.close(linger_s=0.5)
+        got = rx.recv(timeout_s=5)
+        assert isinstance(got, codec.Ack) and got.trajectory_ids == ("a",), endpoint
+        rx.close()

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-import click
 import pytest
 from click.testing import CliRunner
 
 from laminar_common.config import load_config
+from laminar_common.testing import clear_laminar_env, option_envvars
 from laminar_trainer.cli import cli, main
 from laminar_trainer.config import TrainerConfig
 
@@ -20,19 +19,11 @@ SIMULATE = ["--set", "simulate.step_s=0"]  # run needs model_dir or simulate
 
 @pytest.fixture(autouse=True)
 def _no_laminar_env(monkeypatch):
-    """Start every test from an environment without LAMINAR_* variables."""
-    for name in list(os.environ):
-        if name.startswith("LAMINAR_"):
-            monkeypatch.delenv(name)
+    clear_laminar_env(monkeypatch)
 
 
 def _option_envvars(command_name: str) -> dict[str, str]:
-    """``--option`` -> the variable click reads it from, as ``--help`` shows it."""
-    root = click.Context(cli, info_name="laminar-trainer", auto_envvar_prefix="LAMINAR_TRAINER")
-    ctx = click.Context(cli.commands[command_name], info_name=command_name, parent=root)
-    return {p.opts[0]: f"{ctx.auto_envvar_prefix}_{p.name.upper()}"
-            for p in ctx.command.params
-            if isinstance(p, click.Option) and p.allow_from_autoenv}
+    return option_envvars(cli, "laminar-trainer", "LAMINAR_TRAINER", command_name)
 
 
 def test_the_commands_and_their_options_are_those_of_before():

@@ -30,6 +30,8 @@ from laminar_common.config import load_config
 from laminar_common.errors import ConfigError
 
 __all__ = [
+    "clear_laminar_env",
+    "option_envvars",
     "assert_names_where",
     "check_load",
     "dotted_paths",
@@ -241,3 +243,26 @@ def make_loader_tests(model: type[BaseModel], *, max_examples: int = 150,
 
         tests.append(test_any_overrides)
     return {f"{f.__name__}_{stem}": f for f in tests}
+
+
+# -- command lines ---------------------------------------------------------------
+
+
+def clear_laminar_env(monkeypatch) -> None:
+    """Remove every ``LAMINAR_*`` variable (a CLI test starts from a clean environment)."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("LAMINAR_"):
+            monkeypatch.delenv(name)
+
+
+def option_envvars(group, prog_name: str, envvar_prefix: str, command_name: str) -> dict[str, str]:
+    """``--option`` -> the variable click reads it from, as ``--help`` shows it."""
+    import click
+
+    root = click.Context(group, info_name=prog_name, auto_envvar_prefix=envvar_prefix)
+    ctx = click.Context(group.commands[command_name], info_name=command_name, parent=root)
+    return {p.opts[0]: f"{ctx.auto_envvar_prefix}_{p.name.upper()}"
+            for p in ctx.command.params
+            if isinstance(p, click.Option) and p.allow_from_autoenv}

@@ -131,7 +131,8 @@ class PushSender(abc.ABC):
         """Queue ``msg``; raises :class:`TransportError` past the high-water mark."""
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self, linger_s: float = 1.0) -> None:
+        """Close; queued messages get up to ``linger_s`` to be delivered."""
 
 
 class PullReceiver(abc.ABC):
@@ -563,8 +564,8 @@ class InprocPushSender(PushSender):
         self._q.put((self._peer, bytes(frame)))
         self.stats.sent += 1
 
-    def close(self) -> None:
-        pass
+    def close(self, linger_s: float = 1.0) -> None:
+        """Nothing to flush: a sent frame is already in the receiver's queue."""
 
 
 class InprocPullReceiver(PullReceiver):

@@ -88,12 +88,7 @@ def serve(config: str | None, overrides: tuple[str, ...], check: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``laminar-relay`` on ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
-
-    Usage errors print click's usage message and return 2. With
-    ``_LAMINAR_RELAY_COMPLETE`` set, prints the completion script and exits
-    (``SystemExit``), as click does.
-    """
+    """``laminar-relay`` on ``argv`` (default ``sys.argv[1:]``): its exit code (:func:`clitools.run`)."""
     return clitools.run(cli, argv, "laminar-relay")
 
 

@@ -133,12 +133,7 @@ def make_manager_service(config, resume: bool = False):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``laminar-rollout`` on ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
-
-    Usage errors print click's usage message and return 2. With
-    ``_LAMINAR_ROLLOUT_COMPLETE`` set, prints the completion script and exits
-    (``SystemExit``), as click does.
-    """
+    """``laminar-rollout`` on ``argv`` (default ``sys.argv[1:]``): its exit code (:func:`clitools.run`)."""
     return clitools.run(cli, argv, "laminar-rollout")
 
 

@@ -144,12 +144,7 @@ def warmstart(out: str, task: str, steps: int | None, difficulty: tuple[str, ...
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``laminar-trainer`` on ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
-
-    Usage errors print click's usage message and return 2. With
-    ``_LAMINAR_TRAINER_COMPLETE`` set, prints the completion script and exits
-    (``SystemExit``), as click does.
-    """
+    """``laminar-trainer`` on ``argv`` (default ``sys.argv[1:]``): its exit code (:func:`clitools.run`)."""
     return clitools.run(cli, argv, "laminar-trainer")
 
 

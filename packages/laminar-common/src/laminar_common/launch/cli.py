@@ -231,6 +231,7 @@ def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
     from laminar_common.auth import etcd_tls_for
     from laminar_common.etcd import EtcdCoordinator
     from laminar_common.logs import setup_logging
+    from laminar_common.roles import State
 
     setup_logging("WARNING")
     tls = {"ca_cert": etcd_ca, "client_cert": etcd_cert, "client_key": etcd_key}
@@ -243,14 +244,14 @@ def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
         for member_id, rec in sorted(coord.members().items(), key=lambda x: (x[1].role, x[0])):
             print(f"  {rec.role:<8} {member_id:<20} {rec.address:<28} host={rec.host} "
                   f"pkg={rec.package_version} proto={rec.protocol_version}")
-        trainer = coord.get_state("trainer")
+        trainer = coord.get_state(State.TRAINER)
         if trainer:
             t = json.loads(trainer)
             print(f"trainer: step {t['step']}/{t['total_steps']} v{t['version']} "
                   f"reward {t['reward_mean']:.3f} tokens/s {t['tokens_per_s']:.1f} "
                   f"staleness mean {t['staleness_mean']:.2f} max {t['staleness_max']} "
                   f"buffer {t['buffer']}")
-        manager = coord.get_state("manager")
+        manager = coord.get_state(State.MANAGER)
         if manager:
             m = json.loads(manager)
             print(f"manager: ledger {m['ledger']}, repacks {m['repacks']}, "
@@ -264,12 +265,7 @@ def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``laminar`` on ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
-
-    Usage errors print click's usage message and return 2. With
-    ``_LAMINAR_COMPLETE`` set, prints the completion script and exits
-    (``SystemExit``), as click does.
-    """
+    """``laminar`` on ``argv`` (default ``sys.argv[1:]``): its exit code (:func:`clitools.run`)."""
     return clitools.run(cli, argv, "laminar")
 
 
