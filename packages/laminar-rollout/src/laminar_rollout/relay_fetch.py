@@ -8,6 +8,8 @@ the worker releases the relay's reader lease once the engine copied them.
 
 from __future__ import annotations
 
+import warnings
+
 from laminar_common.errors import ProtocolError, TransportError
 from laminar_common.relay.client import RelayClient
 from laminar_common.relay.wire import VersionNotFoundError
@@ -52,8 +54,12 @@ def make_relay_fetcher(client: RelayClient, *, with_tensors: bool = True,
                 fetched.release()
                 raise ProtocolError(f"weight v{fetched.version}: tensor {spec.name!r} has "
                                     f"unknown dtype {spec.dtype!r}")
-            flat = torch.frombuffer(views[spec.name], dtype=dtype) if spec.nbytes else \
-                torch.empty(0, dtype=dtype)
+            with warnings.catch_warnings():
+                # Read-only views of the relay's shared memory: engines copy them into
+                # their own parameters before release() and never write through them.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(views[spec.name], dtype=dtype) if spec.nbytes else \
+                    torch.empty(0, dtype=dtype)
             tensors.append((spec.name, flat.reshape(spec.shape)))
         return FetchedVersion(fetched.version, tensors, fetched.release)
 
