@@ -231,7 +231,7 @@ def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
     from laminar_common.auth import etcd_tls_for
     from laminar_common.etcd import EtcdCoordinator
     from laminar_common.logs import setup_logging
-    from laminar_common.roles import State
+    from laminar_common.roles import State, is_ready
 
     setup_logging("WARNING")
     tls = {"ca_cert": etcd_ca, "client_cert": etcd_cert, "client_key": etcd_key}
@@ -243,7 +243,8 @@ def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
         print("members:")
         for member_id, rec in sorted(coord.members().items(), key=lambda x: (x[1].role, x[0])):
             print(f"  {rec.role:<8} {member_id:<20} {rec.address:<28} host={rec.host} "
-                  f"pkg={rec.package_version} proto={rec.protocol_version}")
+                  f"pkg={rec.package_version} proto={rec.protocol_version} "
+                  f"ready={'yes' if is_ready(rec.extra) else 'no'}")
         trainer = coord.get_state(State.TRAINER)
         if trainer:
             t = json.loads(trainer)
