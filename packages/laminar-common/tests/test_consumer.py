@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
-from laminar_common.consumer import ConsumedIds, TrajectoryConsumer, check_trajectory
+from laminar_common.consume.consumer import ConsumedIds, TrajectoryConsumer, check_trajectory
 from laminar_common.launch.readiness import wait_ready
 from laminar_common.membership import (
     InMemoryCoordinator,
@@ -253,6 +253,6 @@ def test_check_trajectory_reasons():
 
 
 def test_importing_the_consumer_does_not_import_torch():
-    code = ("import sys, laminar_common.consumer; "
+    code = ("import sys, laminar_common.consume.consumer; "
             "sys.exit(any(m.split('.')[0] == 'torch' for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -1,4 +1,4 @@
-"""The shape of laminar-common: a core plus ``relay`` and ``launch``, no import cycles.
+"""The shape of laminar-common: a core plus ``relay``, ``launch`` and ``consume``, no cycles.
 
 Reads every module's imports (module level and inside functions) with ``ast``, so the
 check holds for lazy imports too.
@@ -46,12 +46,12 @@ def _imports() -> dict[str, set[str]]:
     return {m: {d for d in deps if d in modules and d != m} for m, deps in graph.items()}
 
 
-def test_the_core_never_imports_relay_or_launch():
-    core = {m: d for m, d in _imports().items()
-            if not m.startswith(("laminar_common.relay", "laminar_common.launch"))}
-    bad = {m: sorted(x for x in d if x.startswith(("laminar_common.relay",
-                                                    "laminar_common.launch")))
-           for m, d in core.items()}
+PARTS = ("laminar_common.relay", "laminar_common.launch", "laminar_common.consume")
+
+
+def test_the_core_never_imports_its_subpackages():
+    core = {m: d for m, d in _imports().items() if not m.startswith(PARTS)}
+    bad = {m: sorted(x for x in d if x.startswith(PARTS)) for m, d in core.items()}
     assert not {m: d for m, d in bad.items() if d}
 
 
@@ -87,9 +87,11 @@ def test_no_import_cycles():
 
 
 def test_every_subpackage_exports_what_it_lists():
+    import laminar_common.consume
     import laminar_common.launch
     import laminar_common.relay
 
-    for pkg in (laminar_common, laminar_common.relay, laminar_common.launch):
+    for pkg in (laminar_common, laminar_common.relay, laminar_common.launch,
+                laminar_common.consume):
         for name in pkg.__all__:
             assert getattr(pkg, name) is not None, f"{pkg.__name__}.{name}"

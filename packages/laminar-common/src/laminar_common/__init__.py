@@ -2,10 +2,12 @@
 
 The top level is the core: errors, config, the wire codec, transports,
 membership and its etcd coordinator, the service lifecycle, auth, metrics and
-the etcd key schema. Two subpackages sit beside it:
+the etcd key schema. Three subpackages sit beside it:
 
 - :mod:`laminar_common.relay`: the relay tier's client half (publish and
   fetch weight versions, the gRPC wire, the chunk data plane, manifests);
+- :mod:`laminar_common.consume`: the trainer's side of the trajectory protocol
+  (``TrajectoryConsumer``, exactly-once memory, content checks);
 - :mod:`laminar_common.launch`: the operator toolkit (the ``laminar`` CLI,
   local and Ray launchers, a local etcd, processes, reports, demo tasks).
 
@@ -38,7 +40,7 @@ _EXPORTS = {
     "Service": "service", "StatusWriter": "status", "MetricsServer": "metrics",
     "setup_logging": "logs",
     # custom trainers
-    "TrajectoryConsumer": "consumer",
+    "TrajectoryConsumer": "consume.consumer",
 }
 
 __all__ = ["__version__", *_EXPORTS]

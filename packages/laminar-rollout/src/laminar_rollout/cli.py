@@ -30,7 +30,7 @@ import sys
 
 import click
 
-from laminar_common import clitools
+from laminar_common.launch import clitools
 
 __all__ = ["main", "cli", "make_worker_service", "make_manager_service"]
 

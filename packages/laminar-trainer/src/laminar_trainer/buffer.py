@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from laminar_common.codec import Trajectory
-from laminar_common.consumed import ConsumedIds
+from laminar_common.consume.consumed import ConsumedIds
 
 __all__ = ["Added", "ConsumedIds", "ExperienceBuffer", "Group", "BufferStats"]
 

@@ -40,6 +40,7 @@ import yaml
 
 from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
 from laminar_common.config import dump_config
+from laminar_common.consume.validation import REASONS, Invalid, check_trajectory
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
@@ -48,7 +49,6 @@ from laminar_common.roles import Extra, Role, State
 from laminar_common.service import Service
 from laminar_common.status import StatusWriter
 from laminar_common.transport import PullReceiver, PushSender, make_pull_receiver, make_push_sender
-from laminar_common.validation import REASONS, Invalid, check_trajectory
 
 from .buffer import Added, ConsumedIds, ExperienceBuffer, Group
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint

@@ -1,8 +1,9 @@
 """laminar_common.launch: the operator toolkit.
 
 Owns what runs a job rather than what a job is made of: the ``laminar`` CLI
-(:mod:`.cli`), the job file (:mod:`.jobfile`), the local and Ray launchers
-(:mod:`.local`, :mod:`.ray_backend`), a local etcd (:mod:`.local_etcd`),
+(:mod:`.cli`) and what every tier's CLI shares (:mod:`.clitools`), the job
+file (:mod:`.jobfile`), the local and Ray launchers (:mod:`.local`,
+:mod:`.ray_backend`), a local etcd (:mod:`.local_etcd`),
 child processes and their readiness (:mod:`.processes`), run reports
 (:mod:`.report`), the demo's synthetic tasks (:mod:`.tasks`) and a bare
 member for membership demos (:mod:`.member`, :mod:`.demo`). No tier imports

@@ -4,7 +4,7 @@ Owns :class:`ConsumedIds`: ids are kept one by one only for groups at or above
 the manager's watermark (``settled_below``, which every trajectory carries:
 all groups numbered below it are acked or rejected for good); a trajectory of
 a group below the watermark counts as consumed without a per-id record. The
-built-in trainer's buffer and :class:`~laminar_common.consumer.TrajectoryConsumer`
+built-in trainer's buffer and :class:`~laminar_common.consume.consumer.TrajectoryConsumer`
 both keep theirs here, and both checkpoint it through :meth:`ConsumedIds.items`.
 """
 

@@ -7,7 +7,7 @@ their whole unacked outbox to each new incarnation), checks every trajectory at
 the door, drops copies by trajectory id, and sends acks and rejections to the
 rollout manager, which it finds and follows across restarts through the
 membership watch. This module owns that protocol; it must not train, buffer,
-import torch, or wait on etcd per trajectory.
+depend on an array library, or wait on etcd per trajectory.
 
 Exactly-once, as the built-in trainer keeps it:
 
@@ -51,7 +51,8 @@ from typing import Any
 
 from laminar_common.auth import CurveAuth
 from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
-from laminar_common.consumed import ConsumedIds
+from laminar_common.consume.consumed import ConsumedIds
+from laminar_common.consume.validation import Invalid, check_trajectory
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent, VersionRecord
 from laminar_common.roles import Extra, Role
@@ -62,7 +63,6 @@ from laminar_common.transport import (
     make_pull_receiver,
     make_push_sender,
 )
-from laminar_common.validation import Invalid, check_trajectory
 from laminar_common.version import __version__
 
 # ConsumedIds and check_trajectory live in their own modules (the built-in trainer uses
