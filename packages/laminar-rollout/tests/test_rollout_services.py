@@ -220,34 +220,41 @@ def test_overlong_prompt_is_rejected_with_reason(stack, tmp_path):
 
 def test_repack_moves_stale_stragglers_and_frees_the_source(stack):
     store, trainer, start_manager, start_worker = stack
-    manager = start_manager(n_prompts=40, group_size=2, max_staleness=50,
+    manager = start_manager(n_prompts=80, group_size=2, max_staleness=50,
                             repack={"enabled": True, "interval_s": 0.1})
     workers = [start_worker(f"w{i}", max_batch=4, median=40, max_length=400, step_s=0.01)
                for i in range(3)]
     assert _wait(lambda: len(trainer.got) >= 6, 30, trainer)
-    trainer.coord.publish_version(VersionRecord(version=1))
-    # Wait for a trajectory actually handed back: a repack request can race with the
-    # stragglers finishing, and then the worker has nothing left to export.
-    assert _wait(lambda: manager.ledger.counters.migrated >= 1, 30, trainer), manager.summary()
-    assert _wait(lambda: len({t.trajectory_id for t in trainer.got}) >= 80, 60, trainer)
+    # Wait for a trajectory actually handed back. Whether one is depends on timing (a
+    # repack needs two stale workers still draining when it looks, and a request can
+    # race with the stragglers finishing), so a loaded machine may miss one version
+    # bump's window: bump again, a bounded number of times, while work is left.
+    version = 0
+    while manager.ledger.counters.migrated == 0 and version < 8 \
+            and len({t.trajectory_id for t in trainer.got}) < 60:
+        version += 1
+        trainer.coord.publish_version(VersionRecord(version=version))
+        _wait(lambda: manager.ledger.counters.migrated >= 1, 3, trainer)
+    assert manager.ledger.counters.migrated >= 1, manager.summary()
+    assert _wait(lambda: len({t.trajectory_id for t in trainer.got}) >= 160, 60, trainer)
     trainer.pump(0.3)
     ids = [t.trajectory_id for t in trainer.got]
-    assert sorted(set(ids)) == sorted(f"p{i}#{s}" for i in range(40) for s in range(2))
+    assert sorted(set(ids)) == sorted(f"p{i}#{s}" for i in range(80) for s in range(2))
     assert len(ids) == len(set(ids)), "a migrated trajectory arrived twice"
     exported = sum(w.counters["exported"] for w in workers)
     assert exported >= 1 and manager.ledger.counters.migrated >= 1
     # A trajectory migrated with tokens is finished from them, at the version
-    # that produced them (v0: only stale workers are emptied), on another worker.
+    # that produced them (older than the latest: only stale workers are emptied).
     got = {t.trajectory_id: t for t in trainer.got}
     resumed = {tid: e for tid, e in manager.ledger.entries.items()
                if e.dispatches >= 2 and e.partial_tokens}
     assert resumed, "no trajectory was migrated with tokens"
     for tid, entry in resumed.items():
         traj = got[tid]
-        assert entry.partial_version == 0
-        assert traj.policy_version == 0
+        assert entry.partial_version < version
+        assert traj.policy_version == entry.partial_version
         assert traj.response_token_ids[:len(entry.partial_tokens)] == entry.partial_tokens
-    assert any(t.policy_version == 1 for t in trainer.got)
+    assert any(t.policy_version >= 1 for t in trainer.got)
     placed = manager.stats.migrations_placed
     assert placed >= len(resumed) and 0 < manager.stats.migration_seconds < 30 * placed
 
