@@ -252,6 +252,18 @@ def test_check_trajectory_reasons():
     assert check_trajectory(traj(policy_version=4), trainer_version=3).reason == "bad-version"
 
 
+def test_the_sampling_temperature_travels_and_is_checked():
+    from laminar_common.codec import SamplingSpec
+
+    hot = traj(sampling=SamplingSpec(temperature=0.7))
+    assert check_trajectory(hot) is None  # any positive temperature: trained at its own
+    assert check_trajectory(hot, temperature=0.7) is None
+    wrong = check_trajectory(hot, temperature=1.0)
+    assert wrong.reason == "bad-sampling" and "0.7" in wrong.detail and "p0#0" in wrong.detail
+    greedy = check_trajectory(traj(sampling=SamplingSpec(temperature=0.0)))
+    assert greedy.reason == "bad-sampling"
+
+
 def test_importing_the_consumer_does_not_import_torch():
     code = ("import sys, laminar_common.consume.consumer; "
             "sys.exit(any(m.split('.')[0] == 'torch' for m in sys.modules))")

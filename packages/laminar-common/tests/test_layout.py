@@ -1,4 +1,5 @@
-"""The shape of laminar-common: a core plus ``relay``, ``launch`` and ``consume``, no cycles.
+"""The shape of laminar-common: a core plus ``relay``, ``launch``, ``consume`` and ``data``,
+no cycles.
 
 Reads every module's imports (module level and inside functions) with ``ast``, so the
 check holds for lazy imports too.
@@ -46,7 +47,8 @@ def _imports() -> dict[str, set[str]]:
     return {m: {d for d in deps if d in modules and d != m} for m, deps in graph.items()}
 
 
-PARTS = ("laminar_common.relay", "laminar_common.launch", "laminar_common.consume")
+PARTS = ("laminar_common.relay", "laminar_common.launch", "laminar_common.consume",
+         "laminar_common.data")
 
 
 def test_the_core_never_imports_its_subpackages():
@@ -62,6 +64,17 @@ def test_relay_and_launch_do_not_import_each_other():
                      if m.startswith(f"laminar_common.{a}")
                      and any(x.startswith(f"laminar_common.{b}") for x in d)}
         assert not offenders, f"laminar_common.{a} imports laminar_common.{b}: {offenders}"
+
+
+def test_data_imports_the_core_only():
+    """Datasets, chat templates and rewards serve the rollout and the trainer alike: none of
+    the relay client, the operator toolkit or the trainer's consumer comes with them."""
+    graph = _imports()
+    assert any(m.startswith("laminar_common.data.") for m in graph)
+    others = tuple(p for p in PARTS if p != "laminar_common.data")
+    offenders = {m: sorted(x for x in d if x.startswith(others)) for m, d in graph.items()
+                 if m.startswith("laminar_common.data")}
+    assert not {m: d for m, d in offenders.items() if d}, offenders
 
 
 def test_no_import_cycles():

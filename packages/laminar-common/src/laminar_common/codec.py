@@ -16,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import struct
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -50,8 +50,11 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 3
-"""3: the stringly ``Command(action=...)`` becomes one tagged struct per command
+PROTOCOL_VERSION = 4
+"""4: :class:`PromptTask` carries chat ``messages`` and nested JSON ``metadata``
+(a record's fields as the dataset holds them); :class:`Trajectory` carries the
+:class:`SamplingSpec` it was generated with, so the trainer computes log-probs at
+the same temperature. 3: the stringly ``Command(action=...)`` becomes one tagged struct per command
 (:class:`PullWeights`, :class:`ExportTrajectories`, :class:`Acked`,
 :class:`GenerationRejected`). 2: adds :class:`TrajectoryRejected` (trainer -> manager) and the group watermark
 (``group_seq``, ``settled_below``) of :class:`PromptTask` and :class:`Trajectory`."""
@@ -110,6 +113,11 @@ class PromptTask(_Msg, tag="prompt"):
     when it dispatched the task: every group numbered below it is acked or
     rejected for good, so the trainer needs no per-id record of those (-1:
     unknown). Both travel on to the :class:`Trajectory`.
+
+    The prompt is either ``prompt`` (text, encoded as is) or ``messages`` (chat
+    messages, ``{"role": ..., "content": ...}``, rendered with the tokenizer's chat
+    template and a generation prompt); ``metadata`` is the record's other fields,
+    nested values kept (JSON types only), for the reward function.
     """
 
     trajectory_id: str
@@ -118,7 +126,8 @@ class PromptTask(_Msg, tag="prompt"):
     sample_index: int
     prompt: str
     prompt_token_ids: tuple[int, ...] = ()
-    metadata: dict[str, str] = {}
+    metadata: dict[str, Any] = {}
+    messages: tuple[dict[str, str], ...] = ()
     sampling: SamplingSpec = SamplingSpec()
     resume_token_ids: tuple[int, ...] = ()
     resume_logprobs: tuple[float, ...] = ()
@@ -147,6 +156,7 @@ class Trajectory(_Msg, tag="trajectory"):
     simulated: bool = False
     group_seq: int = -1
     settled_below: int = -1
+    sampling: SamplingSpec = SamplingSpec()
 
 
 class PartialProgress(_Msg, tag="partial"):

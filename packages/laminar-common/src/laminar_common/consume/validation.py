@@ -27,7 +27,7 @@ __all__ = ["Invalid", "check_trajectory", "REASONS"]
 
 REASONS = ("bad-group", "empty-prompt", "empty-response", "length-mismatch",
            "token-out-of-range", "non-finite-reward", "bad-logprob", "bad-version",
-           "group-mismatch")
+           "group-mismatch", "bad-sampling")
 """Every reason a trajectory can be rejected for (metrics labels)."""
 
 _LOGPROB_SLACK = 1e-3
@@ -53,7 +53,8 @@ def _bad_token(ids: tuple[int, ...], vocab_size: int | None) -> int | None:
 
 
 def check_trajectory(traj: Trajectory, vocab_size: int | None = None,
-                     trainer_version: int | None = None) -> Invalid | None:
+                     trainer_version: int | None = None,
+                     temperature: float | None = None) -> Invalid | None:
     """None if ``traj`` can be trained on, else why not (see module docstring).
 
     Args:
@@ -61,6 +62,10 @@ def check_trajectory(traj: Trajectory, vocab_size: int | None = None,
             skips the vocabulary bound but still refuses negative ids.
         trainer_version: the newest published weight version; None skips the
             upper bound (a stack that does not publish through the relay tier).
+        temperature: the one sampling temperature the trainer accepts; None accepts
+            any positive temperature (log-probs are then computed at each
+            trajectory's own). A greedy (temperature 0) trajectory has no
+            sampling distribution to correct against and is always refused.
     """
     who = f"trajectory {traj.trajectory_id!r} from worker {traj.worker_id!r}"
     if traj.group_size < 1 or not 0 <= traj.sample_index < traj.group_size:
@@ -88,6 +93,16 @@ def check_trajectory(traj: Trajectory, vocab_size: int | None = None,
     for i, lp in enumerate(traj.behaviour_logprobs):
         if not math.isfinite(lp) or lp > _LOGPROB_SLACK:
             return Invalid("bad-logprob", f"{who}: behaviour log-prob {lp} at token {i}")
+    t = traj.sampling.temperature
+    if not (math.isfinite(t) and t > 0):
+        return Invalid("bad-sampling", f"{who}: sampled at temperature {t}; training needs a "
+                                       "positive temperature (the behaviour log-probs are "
+                                       "a sampling distribution's)")
+    if temperature is not None and abs(t - temperature) > 1e-6:
+        return Invalid("bad-sampling", f"{who}: sampled at temperature {t}, but the trainer's "
+                                       f"config fixes temperature {temperature} (set the "
+                                       "manager's sampling.temperature to match, or leave the "
+                                       "trainer's temperature unset to use each trajectory's)")
     if traj.policy_version < 0 or (trainer_version is not None
                                    and traj.policy_version > trainer_version):
         return Invalid("bad-version", f"{who}: policy version {traj.policy_version} but the "

@@ -23,16 +23,18 @@ model is expected to emit the answer and then its end-of-sequence token, which
 the caller removes when decoding; ``ANSWER_END`` lets a text-only generator end
 an answer too. ``score_completion`` is 1.0 when the extracted text equals the
 record's answer string exactly (so ``"0123"`` and ``"123"`` differ), else 0.0.
-``score_exact_answer`` is the looser scorer for exact-answer math (``\\boxed``,
-``####``, numeric equality).
+``synthetic_reward`` is the same score under the reward contract of
+:mod:`laminar_common.data.rewards` (the ``synthetic`` built-in).
+``score_exact_answer`` (re-exported from there) is the looser scorer for
+exact-answer math (``\\boxed``, ``####``, numeric equality).
 
 Held-out split: every problem belongs to exactly one split, decided by a hash
 of its prompt text (``split_of``), so train and eval records are disjoint
 whatever seeds and sizes are used to draw them; ``find_overlap`` checks it.
 
 Invariants:
-- Stdlib only: this module never imports torch, transformers, tokenizers or
-  numpy (the relay and common tiers run without them).
+- Stdlib and laminar-common's core only: this module never imports torch,
+  transformers, tokenizers or numpy (the relay and common tiers run without them).
 - Every character of every prompt and answer is in ``TASK_ALPHABET``.
 - Generation is deterministic in ``(task, n, seed, split, difficulty)`` and
   independent of Python's hash randomisation.
@@ -43,12 +45,12 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+from laminar_common.data.rewards import Prompt, score_exact_answer
 
 __all__ = [
     "ANSWER_END",
@@ -65,6 +67,7 @@ __all__ = [
     "score_completion",
     "score_exact_answer",
     "split_of",
+    "synthetic_reward",
     "write_jsonl",
 ]
 
@@ -339,63 +342,14 @@ def score_completion(record: Mapping[str, Any], completion: str) -> float:
     return 1.0 if extract_answer(completion) == record["answer"] else 0.0
 
 
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth = 0
-    begin = start + len("\\boxed{")
-    for i in range(begin - 1, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[begin:i]
-    return None
+def synthetic_reward(prompt: Prompt, completion: str, metadata: Mapping[str, Any]) -> float:
+    """The ``synthetic`` built-in reward (:mod:`laminar_common.data.rewards`):
+    :func:`score_completion` of ``metadata`` (which holds ``task`` and ``answer``).
 
-
-_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
-
-
-def _normalise_math(text: str) -> str:
-    text = text.lstrip(" \t\n$").rstrip(" \t\n$.")
-    if _THOUSANDS.match(text):
-        text = text.replace(",", "")
-    return " ".join(text.split())
-
-
-def _as_number(text: str) -> Fraction | None:
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def score_exact_answer(answer: str, completion: str) -> float:
-    """Score a free-form completion against an exact (math) answer: 1.0 or 0.0.
-
-    The completion's final answer is the content of its last ``\\boxed{...}``;
-    failing that, the text after its last ``####`` (up to ``ANSWER_END``);
-    failing that, the text up to ``ANSWER_END``. Both sides are normalised (surrounding whitespace and
-    ``$`` removed, a trailing period dropped, thousands separators removed from
-    numbers, inner whitespace collapsed). They match if the strings are equal
-    or both parse as the same rational number (``"0.50"`` == ``"1/2"``).
+    Raises:
+        ValueError: the record names an unknown task or lacks an ``answer``.
     """
-    boxed = _last_boxed(completion)
-    if boxed is not None:
-        candidate = boxed
-    elif "####" in completion:
-        candidate = extract_answer(completion.rsplit("####", 1)[1].lstrip())
-    else:
-        candidate = extract_answer(completion)
-    got, want = _normalise_math(candidate), _normalise_math(answer)
-    if not got:
-        return 0.0
-    if got == want:
-        return 1.0
-    got_num, want_num = _as_number(got), _as_number(want)
-    return 1.0 if got_num is not None and got_num == want_num else 0.0
+    return score_completion(metadata, completion)
 
 
 def write_jsonl(path: str | Path, records: Iterable[Mapping[str, Any]]) -> int:

@@ -1,0 +1,316 @@
+"""Reward functions: the contract, the built-ins, and loading them by name or spec.
+
+The contract. A reward function is called as::
+
+    fn(prompt, completion, metadata) -> float
+
+- ``prompt``: the record's prompt as the dataset gave it: a ``str``, or a
+  sequence of chat messages (mappings with ``"role"`` and ``"content"``).
+- ``completion``: the decoded response text (special tokens removed).
+- ``metadata``: the record's other fields, nested values kept
+  (``dict[str, Any]``), plus ``metadata["answer"]``: the ground truth as a
+  string when the dataset has one (the dataset reader fills it from e.g.
+  ``reward_model.ground_truth``).
+
+It returns a finite float. It may raise: :func:`score` turns an exception or a
+non-finite value into ``(0.0, error text)``, so a failing reward never loses a
+trajectory (the worker sends it marked with ``reward_error`` and counts it).
+It must be thread-safe: rollout workers call it from a thread pool, off the
+decode loop, with a timeout (``laminar_rollout.rewards.RewardPool``). Anything
+that needs the main thread (``signal.alarm`` timeouts) does not work there.
+
+Built-ins (:data:`BUILTIN_REWARDS`, resolved lazily by :func:`load_reward_fn`):
+
+- ``math``: :func:`math_reward`, equivalence checked by math-verify
+  (``pip install 'laminar-common[math]'``).
+- ``gsm8k``: :func:`gsm8k_reward`, the number after ``####`` compared as a number.
+- ``exact``: :func:`exact_reward`, the stdlib exact-answer scorer
+  (:func:`score_exact_answer`).
+- ``synthetic``: ``laminar_common.launch.tasks.synthetic_reward``, the demo's
+  sort / reverse / add tasks.
+
+The ground truth of ``math``, ``gsm8k`` and ``exact`` is ``metadata["answer"]``;
+when it contains ``####`` (a GSM8K answer column: worked solution, then
+``#### 72``) only the text after the last ``####`` counts.
+
+Part of laminar-common's ``data`` subpackage: stdlib only at import time (math-verify
+is imported on first use); imports the core only, never ``relay``, ``launch`` or
+``consume`` (the ``synthetic`` built-in is a string, resolved when loaded).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+from laminar_common.errors import ConfigError
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "Prompt",
+    "RewardFn",
+    "exact_reward",
+    "gsm8k_reward",
+    "load_reward_fn",
+    "math_reward",
+    "score",
+    "score_exact_answer",
+]
+
+Prompt = str | Sequence[Mapping[str, Any]]
+"""A record's prompt: plain text, or chat messages ``{"role", "content"}``."""
+
+RewardFn = Callable[[Prompt, str, Mapping[str, Any]], float]
+"""``fn(prompt, completion, metadata) -> float`` (see the module docstring)."""
+
+BUILTIN_REWARDS: Mapping[str, str] = {
+    "math": "laminar_common.data.rewards:math_reward",
+    "gsm8k": "laminar_common.data.rewards:gsm8k_reward",
+    "exact": "laminar_common.data.rewards:exact_reward",
+    "synthetic": "laminar_common.launch.tasks:synthetic_reward",
+}
+"""Built-in reward names and the ``module:function`` each stands for."""
+
+_MATH_EXTRA = "pip install 'laminar-common[math]'"
+_GSM8K_MARK = "####"
+
+# -- loading -----------------------------------------------------------------------
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Resolve a built-in name (``math``, ``gsm8k``, ``exact``, ``synthetic``) or
+    ``package.module:function``.
+
+    Raises:
+        ConfigError: malformed spec, module not importable, not callable, or a
+            built-in whose optional dependency is missing (the message names
+            the spec and what to install).
+    """
+    target = BUILTIN_REWARDS.get(spec, spec)
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(
+            f"reward {spec!r}: expected a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
+            "or 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"reward {spec!r}: cannot import {module_name!r}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"reward {spec!r}: {module_name!r} has no callable {attr!r}")
+    if fn is math_reward:
+        try:
+            _math_verify()
+        except ConfigError as exc:
+            raise ConfigError(f"reward {spec!r}: {exc}") from exc
+    return fn
+
+
+def score(
+    fn: RewardFn, prompt: Prompt, completion: str, metadata: Mapping[str, Any]
+) -> tuple[float, str | None]:
+    """Call ``fn``; returns ``(reward, None)`` or ``(0.0, error text)`` if it failed.
+
+    Failing is raising anything, or returning something that is not a finite number.
+    """
+    try:
+        value = float(fn(prompt, completion, metadata))
+    except Exception as exc:  # noqa: BLE001 - a user reward function: any failure is data
+        return 0.0, f"{type(exc).__name__}: {exc}"
+    if not math.isfinite(value):
+        return 0.0, f"reward function returned {value!r}"
+    return value, None
+
+
+def _ground_truth(metadata: Mapping[str, Any], reward: str) -> str:
+    answer = metadata.get("answer")
+    if answer is None or (isinstance(answer, str) and not answer.strip()):
+        raise ValueError(
+            f"the {reward!r} reward needs the ground truth in metadata['answer'], "
+            "and this record has none"
+        )
+    text = str(answer)
+    if _GSM8K_MARK in text:
+        text = text.rsplit(_GSM8K_MARK, 1)[1]
+    return text.strip()
+
+
+# -- math (math-verify) ----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _math_verify() -> tuple[Callable[..., list], Callable[..., bool], list]:
+    """``(parse, verify, extraction_config)``, imported once."""
+    try:
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    except ImportError as exc:
+        raise ConfigError(
+            f"the 'math' reward needs the math-verify package: {_MATH_EXTRA}"
+        ) from exc
+    return parse, verify, [LatexExtractionConfig(), ExprExtractionConfig()]
+
+
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?")
+
+
+def _parse_math(text: str) -> list:
+    parse, _, config = _math_verify()
+    # parsing_timeout=None: math-verify's timeouts use signal.alarm, which only works on
+    # the main thread; the RewardPool's timeout bounds the call instead.
+    return parse(text, extraction_config=config, parsing_timeout=None)
+
+
+def math_reward(prompt: Prompt, completion: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the completion's final answer is mathematically equal to the ground truth.
+
+    The ground truth (``metadata["answer"]``, the text after its last ``####`` if any)
+    is parsed as LaTeX or a plain expression; a bare number is read as ``$number$``.
+    The completion's answer is the text after its last ``####`` when it has one and
+    that parses, else what math-verify extracts (the last ``\\boxed{}``, else the last
+    expression). Equality is math-verify's (``\\frac{1}{2}`` == ``0.5``, symbolic
+    equivalence, sets, intervals...).
+
+    Raises:
+        ValueError: no ground truth in ``metadata["answer"]``, or one that cannot be
+            parsed.
+        ConfigError: math-verify is not installed.
+    """
+    truth = _ground_truth(metadata, "math")
+    if _PLAIN_NUMBER.fullmatch(truth):
+        truth = truth.replace(",", "")
+    if "$" not in truth and "\\boxed" not in truth:
+        truth = f"${truth}$"
+    gold = _parse_math(truth)
+    if not gold:
+        raise ValueError(f"cannot parse the ground truth {truth!r}")
+    answer: list = []
+    if _GSM8K_MARK in completion:
+        answer = _parse_math(completion.rsplit(_GSM8K_MARK, 1)[1].strip())
+    if not answer:
+        answer = _parse_math(completion)
+    if not answer:
+        return 0.0
+    _, verify, _ = _math_verify()
+    return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+
+
+# -- gsm8k (stdlib) --------------------------------------------------------------------
+
+# A sign counts only where it cannot be a minus between two numbers ("48-24").
+_NUMBER = re.compile(r"(?:(?<![\w)])[+-])?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+
+def _number(text: str) -> Fraction | None:
+    try:
+        return Fraction(text.replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def gsm8k_reward(prompt: Prompt, completion: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the completion's final number equals the ground truth's (GSM8K style).
+
+    The completion's number is the first one after its last ``####``; a completion
+    without ``####`` falls back to its last number. Thousands separators are ignored
+    (``1,234`` == ``1234``) and the comparison is numeric (``72.0`` == ``72``).
+
+    Raises:
+        ValueError: no ground truth, or one with no number (the text after its last
+            ``####``, else the whole of it, must be a number).
+    """
+    truth = _ground_truth(metadata, "gsm8k")
+    want = _number(truth.strip("$ ").rstrip("."))
+    if want is None:
+        raise ValueError(f"the ground truth {truth!r} is not a number")
+    if _GSM8K_MARK in completion:
+        found = _NUMBER.search(completion.rsplit(_GSM8K_MARK, 1)[1])
+    else:
+        found = None
+        for found in _NUMBER.finditer(completion):  # noqa: B007 - the last match is wanted
+            pass
+    if found is None:
+        return 0.0
+    return 1.0 if _number(found.group()) == want else 0.0
+
+
+# -- exact (stdlib) --------------------------------------------------------------------
+
+
+def exact_reward(prompt: Prompt, completion: str, metadata: Mapping[str, Any]) -> float:
+    """:func:`score_exact_answer` against the ground truth (after its last ``####``).
+
+    Raises:
+        ValueError: no ground truth in ``metadata["answer"]``.
+    """
+    return score_exact_answer(_ground_truth(metadata, "exact"), completion)
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    begin = start + len("\\boxed{")
+    for i in range(begin - 1, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:i]
+    return None
+
+
+_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
+
+
+def _normalise_math(text: str) -> str:
+    text = text.lstrip(" \t\n$").rstrip(" \t\n$.")
+    if _THOUSANDS.match(text):
+        text = text.replace(",", "")
+    return " ".join(text.split())
+
+
+def _as_number(text: str) -> Fraction | None:
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _first_line(text: str) -> str:
+    return text.split("\n", 1)[0].strip()
+
+
+def score_exact_answer(answer: str, completion: str) -> float:
+    """Score a free-form completion against an exact (math) answer: 1.0 or 0.0.
+
+    The completion's final answer is the content of its last ``\\boxed{...}``;
+    failing that, the text after its last ``####`` (up to a newline); failing
+    that, the text up to the first newline. Both sides are normalised
+    (surrounding whitespace and ``$`` removed, a trailing period dropped,
+    thousands separators removed from numbers, inner whitespace collapsed).
+    They match if the strings are equal or both parse as the same rational
+    number (``"0.50"`` == ``"1/2"``).
+    """
+    boxed = _last_boxed(completion)
+    if boxed is not None:
+        candidate = boxed
+    elif _GSM8K_MARK in completion:
+        candidate = _first_line(completion.rsplit(_GSM8K_MARK, 1)[1].lstrip())
+    else:
+        candidate = _first_line(completion)
+    got, want = _normalise_math(candidate), _normalise_math(answer)
+    if not got:
+        return 0.0
+    if got == want:
+        return 1.0
+    got_num, want_num = _as_number(got), _as_number(want)
+    return 1.0 if got_num is not None and got_num == want_num else 0.0
