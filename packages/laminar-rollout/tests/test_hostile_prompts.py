@@ -2,7 +2,8 @@
 
 ``load_prompt_file`` returns one validated record per non-blank line, or raises
 :class:`ConfigError` naming the file and, for a bad line, the first bad line's
-number; no other exception escapes, whatever the file holds.
+number (a whole-file error, such as a duplicate id, names no line); no other
+exception escapes, whatever the file holds.
 """
 
 from __future__ import annotations
@@ -77,16 +78,19 @@ def test_any_lines(prompt_dir, body, trailing_newline):
     if got is not None:
         texts = [line.decode("utf-8") for line in body]
         assert len(got) == sum(1 for t in texts if t.strip())
-        assert len({r.prompt_id for r in got}) == len(got)
+        assert len({r.record_id for r in got}) == len(got)
         for rec in got:
-            assert isinstance(rec.prompt_id, str) and rec.prompt_id
-            assert isinstance(rec.prompt, str) and rec.prompt
-            assert all(isinstance(k, str) and isinstance(v, str) for k, v in rec.metadata.items())
+            assert isinstance(rec.record_id, str) and rec.record_id
+            assert "#" not in rec.record_id and "@e" not in rec.record_id
+            assert isinstance(rec.prompt, (str, tuple)) and rec.prompt
+            json.dumps(rec.metadata, allow_nan=False)  # JSON values only
+            assert "answer" not in rec.metadata or isinstance(rec.metadata["answer"], str)
         return
     assert str(path) in error
     named = re.match(re.escape(str(path)) + r":(\d+): ", error)
     if named is None:
-        assert "duplicate id" in error or "holds no records" in error, error
+        assert any(whole_file in error for whole_file in (
+            "duplicate id", "holds no records", "records disagree on ids")), error
         return
     n = int(named.group(1))
     assert 1 <= n <= len(body)

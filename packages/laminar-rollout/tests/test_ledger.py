@@ -153,7 +153,7 @@ def test_indexes_agree_with_a_full_scan_under_random_operations():
             assert led.held_by(worker) == scan and led.assigned(worker) == len(scan)
         for b in range(6):
             scan = all(e.state not in (PENDING, DISPATCHED) for e in led.entries.values()
-                       if e.task.metadata["batch"] == str(b))
+                       if e.batch == b)
             assert led.batch_done(b) == scan
         scan = sorted((t, e.partial_version) for t, e in led.entries.items()
                       if e.state == PENDING and e.partial_tokens)
@@ -179,7 +179,7 @@ def test_restore_keeps_acked_and_rejected_and_makes_the_rest_pending():
     assert back.counts() == {PENDING: 4, DISPATCHED: 0, DONE: 0, ACKED: 1, REJECTED: 1}
     assert back.entries["p1#0"].state == ACKED and back.entries["p2#0"].state == REJECTED
     assert back.entries["p0#0"].partial_tokens == ()  # tokens are not kept
-    assert back.entries["p2#1"].task.metadata["batch"] == "1"
+    assert back.entries["p2#1"].batch == 1
     assert not back.batch_done(0) and not back.batch_done(1)
     again = back.take_pending("w2", 1, 10)
     assert [t.trajectory_id for t in again] == ["p0#0", "p0#1", "p1#1", "p2#1"]
@@ -260,3 +260,22 @@ def test_compaction_keeps_memory_flat_and_survives_a_restore():
     assert t.trajectory_id == "tail#0" and t.group_seq == 200 and t.settled_below == 200
     # Reports and acks for compacted ids are stale, never a crash.
     assert not back.mark_done("p3#0", "w1") and back.mark_acked("p3#0") is None
+
+
+def test_chat_prompts_and_nested_metadata_travel_untouched_in_their_tasks():
+    """The batch is the ledger's own: a record's fields (even one named ``batch``, of any
+    JSON type) reach the worker as the file holds them."""
+    messages = ({"role": "user", "content": "2+2?"},)
+    meta = {"batch": [1, 2], "reward_model": {"ground_truth": "4"}, "answer": "4"}
+    led = TrajectoryLedger()
+    led.add_group(PromptRecord("chat", messages, meta), 2, SAMPLING, batch=0)
+    led.add_group(PromptRecord("text", "plain", {"batch": {"n": 9}}), 1, SAMPLING)
+    tasks = {t.trajectory_id: t for t in led.take_pending("w1", 0, 3)}
+    assert tasks["chat#1"].prompt == "" and tasks["chat#1"].messages == messages
+    assert tasks["chat#1"].metadata == meta
+    assert tasks["text#0"].prompt == "plain" and tasks["text#0"].messages == ()
+    assert tasks["text#0"].metadata == {"batch": {"n": 9}}
+    assert led.mark_done("text#0", "w1") and not led.batch_done(0)
+    led.mark_done("chat#0", "w1")
+    led.mark_done("chat#1", "w1")
+    assert led.batch_done(0) and led.counts()[DONE] == 3

@@ -16,6 +16,7 @@ from laminar_rollout.config import ManagerConfig, WorkerConfig
 from laminar_rollout.engines import LogNormalLengths, SimulatedEngine
 from laminar_rollout.ledger import ACKED
 from laminar_rollout.manager import ManagerService
+from laminar_rollout.prompts import PromptCursor
 from laminar_rollout.tokenizer import ByteTokenizer
 from laminar_rollout.worker import FetchedVersion, WorkerService
 
@@ -67,10 +68,11 @@ def _worker(store, wid, max_batch=4, median=6, reward_fn=None, version=0, max_le
                              lengths=LogNormalLengths(median=median, tail_ratio=10,
                                                       max_length=max_length),
                              vocab_size=200, eos_token_id=0, seed=1, weight_version=version)
-    cfg = WorkerConfig(job=JOB, worker_id=wid, report_interval_s=0.05)
+    cfg = WorkerConfig(job=JOB, worker_id=wid, engine={"type": "simulated"},
+                       report_interval_s=0.05)
     return WorkerService(cfg, engine, ByteTokenizer(),
                          fetch_weights=lambda v: FetchedVersion(v, None),
-                         reward_fn=reward_fn or (lambda meta, text: 1.0),
+                         reward_fn=reward_fn or (lambda prompt, text, meta: 1.0),
                          coordinator=InMemoryCoordinator(store, JOB))
 
 
@@ -193,7 +195,7 @@ def test_failing_reward_marks_trajectory_but_delivers_it(stack):
     store, trainer, start_manager, start_worker = stack
     start_manager(n_prompts=2, group_size=1)
 
-    def broken(meta, text):
+    def broken(prompt, text, meta):
         raise RuntimeError("reward service down")
 
     w = start_worker("w1", reward_fn=broken)
@@ -202,13 +204,34 @@ def test_failing_reward_marks_trajectory_but_delivers_it(stack):
     assert w.counters["reward_errors"] == 2
 
 
+def test_a_slow_reward_runs_off_the_decode_loop_and_sees_prompt_and_metadata(stack):
+    """Rewards run in the worker's reward pool (a slow one delays only its own
+    trajectory) and get the prompt text and the record's metadata."""
+    store, trainer, start_manager, start_worker = stack
+    start_manager(n_prompts=4, group_size=2)
+    seen = []
+
+    def slow(prompt, text, meta):
+        seen.append((prompt, meta.get("task")))
+        time.sleep(0.3)
+        return 1.0
+
+    w = start_worker("w1", reward_fn=slow, median=30, step_s=0.002)
+    assert _wait(lambda: len(trainer.got) >= 8, 30, trainer)
+    assert {p for p, _ in seen} == {f"sort {i}{i + 1}=" for i in range(4)}
+    assert all(task == "sort" for _, task in seen)
+    assert all(t.reward == 1.0 and t.reward_error is None for t in trainer.got)
+    assert w.rewards.pending == 0 and w.counters["finished"] == 8
+
+
 def test_overlong_prompt_is_rejected_with_reason(stack, tmp_path):
     store, trainer, start_manager, start_worker = stack
     manager = start_manager(n_prompts=1, group_size=1)
     engine = SimulatedEngine(max_batch=2, context_length=4, step_time_base=0.0005, seed=1)
-    cfg = WorkerConfig(job=JOB, worker_id="tiny", report_interval_s=0.05)
+    cfg = WorkerConfig(job=JOB, worker_id="tiny", engine={"type": "simulated"},
+                       report_interval_s=0.05)
     w = WorkerService(cfg, engine, ByteTokenizer(), fetch_weights=lambda v: FetchedVersion(v, None),
-                      reward_fn=lambda m, t: 1.0, coordinator=InMemoryCoordinator(store, JOB))
+                      reward_fn=lambda p, t, m: 1.0, coordinator=InMemoryCoordinator(store, JOB))
     w.start()
     try:
         assert _wait(lambda: manager.ledger.settled(), 10, trainer)
@@ -334,3 +357,88 @@ def test_an_engine_refusing_a_weight_load_does_not_kill_the_worker(stack):
     assert w.state == ServiceState.RUNNING and w.counters["weight_loads"] == 0
     w.fetch_weights = lambda v: FetchedVersion(v, None)  # the source heals
     assert _wait(lambda: any(t.policy_version == 1 for t in trainer.got), 20, trainer)
+
+
+def _fake_worker(manager, wid="w1", capacity=16):
+    """A worker that says hello, reports version 0 and only receives: what the manager sends."""
+    from laminar_common.codec import PROTOCOL_VERSION, Hello, WorkerReport
+    from laminar_common.transport import make_client
+
+    client = make_client(manager.server.endpoint, Hello(
+        member_id=wid, role="worker", protocol_version=PROTOCOL_VERSION, capacity=capacity))
+    client.connect()
+    client.send(WorkerReport(worker_id=wid, policy_version=0, active=0, queued=0,
+                             max_batch=capacity, kv_used_tokens=0, kv_capacity_tokens=0))
+    return client
+
+
+def test_a_verl_parquet_is_dispatched_as_chat_messages_with_nested_metadata(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from laminar_common.codec import PromptTask
+    from laminar_common.data.records import DataConfig
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+        "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+        "extra_info": {"index": i, "split": {"name": "train", "part": i % 2}},
+    } for i in range(3)]), path)
+    cfg = ManagerConfig(job=JOB, prompts=str(path), group_size=2,
+                        data=DataConfig(answer_key="reward_model.ground_truth",
+                                        system_prompt="Be brief."))
+    manager = ManagerService(cfg, coordinator=InMemoryCoordinator(InMemoryEtcd(), JOB)).start()
+    client = _fake_worker(manager)
+    tasks: list[PromptTask] = []
+    try:
+        deadline = time.monotonic() + 10
+        while len(tasks) < 6 and time.monotonic() < deadline:
+            msg = client.recv(timeout_s=0.1)
+            if isinstance(msg, PromptTask):
+                tasks.append(msg)
+    finally:
+        client.close()
+        manager.close("test over")
+    assert sorted(t.trajectory_id for t in tasks) == [f"train:{i}#{s}" for i in range(3)
+                                                      for s in range(2)]
+    task = next(t for t in tasks if t.prompt_id == "train:1")
+    assert task.prompt == ""
+    assert task.messages == ({"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "What is 1 + 1?"})
+    assert task.metadata == {"data_source": "openai/gsm8k",
+                             "reward_model": {"style": "rule", "ground_truth": "2"},
+                             "extra_info": {"index": 1, "split": {"name": "train", "part": 1}},
+                             "answer": "2"}
+
+
+def test_a_resumed_manager_keeps_the_shuffled_order_or_refuses_another(tmp_path):
+    from laminar_common.data.records import DataConfig
+    from laminar_common.errors import LaminarError
+
+    store = InMemoryEtcd()
+
+    def manager(seed, resume=False):
+        cfg = ManagerConfig(job=JOB, prompts=_prompts(tmp_path, 10), group_size=1,
+                            max_staleness=0, batch_groups=2, state_dir=str(tmp_path / "state"),
+                            data=DataConfig(shuffle=True, seed=seed))
+        return ManagerService(cfg, coordinator=InMemoryCoordinator(store, JOB), resume=resume)
+
+    first = manager(3).start()
+    client = _fake_worker(first)
+    # laminar mode with max_staleness 0 at version 0: 2 groups are created, then it waits.
+    assert _wait(lambda: first.cursor.state()["position"] == 2, 10)
+    first.close("killed")
+    client.close()
+    taken = sorted(first.ledger.entries)
+    whole = PromptCursor(first.records, shuffle=True, seed=3)
+    order = [whole.next().record_id for _ in range(10)]
+    assert taken == sorted(f"{p}#0" for p in order[:2])
+
+    second = manager(3, resume=True)
+    assert second.cursor.state() == first.cursor.state()
+    assert [second.cursor.next().record_id for _ in range(8)] == order[2:]
+    with pytest.raises(LaminarError, match=r"saved run used data.shuffle=True, data.seed=3; "
+                                           r"this config has data.shuffle=True, data.seed=4"):
+        manager(4, resume=True)

@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from laminar_common.codec import PromptTask, SamplingSpec
-
-from .prompts import PromptRecord
+from laminar_common.data.records import Record
 
 __all__ = ["TrajectoryLedger", "Entry", "PENDING", "DISPATCHED", "DONE", "ACKED", "REJECTED"]
 
@@ -46,6 +45,8 @@ STATES = (PENDING, DISPATCHED, DONE, ACKED, REJECTED)
 @dataclass
 class Entry:
     task: PromptTask
+    batch: int = -1
+    """The global batch of sync and one-step modes (-1: laminar mode)."""
     state: str = PENDING
     worker: str | None = None
     dispatches: int = 0
@@ -103,39 +104,43 @@ class TrajectoryLedger:
         # O(what they return), not O(all trajectories ever created).
         self._held: dict[str, set[str]] = collections.defaultdict(set)
         self._done_by: dict[str, set[str]] = collections.defaultdict(set)
-        self._open_in_batch: collections.Counter[str] = collections.Counter()
+        self._open_in_batch: collections.Counter[int] = collections.Counter()
         self._resumable: set[str] = set()
 
     # -- creation -------------------------------------------------------------
 
-    def add_group(self, record: PromptRecord, group_size: int, sampling: SamplingSpec,
+    def add_group(self, record: Record, group_size: int, sampling: SamplingSpec,
                   batch: int = -1, seq: int | None = None) -> list[str]:
         """Create the ``group_size`` trajectories of one prompt, all pending, as group
-        number ``seq`` (the next one by default; a restore passes the saved one)."""
+        number ``seq`` (the next one by default; a restore passes the saved one).
+
+        The tasks carry the record's prompt as ``prompt`` (text) or ``messages`` (chat,
+        ``prompt`` then empty) and its metadata as the file holds it."""
         seq = self._next_seq if seq is None else seq
+        prompt_id = record.record_id
         if seq < self._next_seq:
-            raise ValueError(f"group number {seq} for {record.prompt_id!r} is not after "
+            raise ValueError(f"group number {seq} for {prompt_id!r} is not after "
                              f"{self._next_seq - 1}: groups are numbered in creation order")
         ids = []
-        meta = dict(record.metadata)
-        if batch >= 0:
-            meta["batch"] = str(batch)
+        text, messages = (record.prompt, ()) if isinstance(record.prompt, str) \
+            else ("", record.prompt)
         for i in range(group_size):
-            tid = trajectory_id(record.prompt_id, i)
+            tid = trajectory_id(prompt_id, i)
             if tid in self.entries:
                 raise ValueError(f"trajectory {tid!r} already exists: prompt ids must be unique")
-            task = PromptTask(trajectory_id=tid, prompt_id=record.prompt_id,
-                              group_size=group_size, sample_index=i, prompt=record.prompt,
-                              metadata=meta, sampling=sampling, group_seq=seq)
-            self.entries[tid] = Entry(task)
+            task = PromptTask(trajectory_id=tid, prompt_id=prompt_id,
+                              group_size=group_size, sample_index=i, prompt=text,
+                              messages=messages, metadata=record.metadata, sampling=sampling,
+                              group_seq=seq)
+            self.entries[tid] = Entry(task, batch)
             self.counters.by_state[PENDING] += 1
             if batch >= 0:
-                self._open_in_batch[str(batch)] += 1
+                self._open_in_batch[batch] += 1
             self._pending.append(tid)
             ids.append(tid)
         if self.settled_below == self._next_seq:  # nothing open: the watermark may jump
             self.settled_below = seq
-        self._groups[seq] = _Group(record.prompt_id, group_size, batch, group_size)
+        self._groups[seq] = _Group(prompt_id, group_size, batch, group_size)
         self._next_seq = seq + 1
         return ids
 
@@ -169,8 +174,8 @@ class TrajectoryLedger:
             self._held[entry.worker].discard(tid)
         if old == DONE:
             self._done_by[entry.worker].discard(tid)
-        batch = entry.task.metadata.get("batch")
-        if batch is not None and (old in (PENDING, DISPATCHED)) != (state in (PENDING, DISPATCHED)):
+        batch = entry.batch
+        if batch >= 0 and (old in (PENDING, DISPATCHED)) != (state in (PENDING, DISPATCHED)):
             self._open_in_batch[batch] += -1 if old in (PENDING, DISPATCHED) else 1
         entry.state = state
         if state in (ACKED, REJECTED) and old not in (ACKED, REJECTED):
@@ -378,7 +383,7 @@ class TrajectoryLedger:
 
     def batch_done(self, batch: int) -> bool:
         """Every trajectory of ``batch`` has finished generating (done, acked or rejected)."""
-        return self._open_in_batch[str(batch)] == 0
+        return self._open_in_batch[batch] == 0
 
     # -- persistence ----------------------------------------------------------
 
@@ -401,7 +406,7 @@ class TrajectoryLedger:
                 "compacted": {"groups": self.compacted_groups, **self.compacted_states}}
 
     @classmethod
-    def restored(cls, snapshot: dict, records: Callable[[str], PromptRecord | None],
+    def restored(cls, snapshot: dict, records: Callable[[str], Record | None],
                  sampling: SamplingSpec, keep_settled: int | None = None) -> TrajectoryLedger:
         """A new ledger from :meth:`snapshot` (see module docstring).
 

@@ -47,7 +47,7 @@ from laminar_common.transport import (
 
 from .config import ManagerConfig
 from .ledger import PENDING, TrajectoryLedger
-from .prompts import PromptCursor, load_prompt_file
+from .prompts import PromptCursor, check_resume, load_prompt_file
 from .repack import WorkerLoad, plan_repack
 from .scheduling import WorkerView, plan_barrier, plan_laminar, required_version
 from .version import __version__
@@ -113,8 +113,9 @@ class ManagerService(Service):
         self.config = config
         self.coordinator = coordinator
         self.ledger = TrajectoryLedger(config.ledger_keep_groups)
-        self.records = load_prompt_file(config.prompts)
-        self.cursor = PromptCursor(self.records, config.epochs, config.max_prompts)
+        self.records = load_prompt_file(config.prompts, config.data)
+        self.cursor = PromptCursor(self.records, config.epochs, config.max_prompts,
+                                   shuffle=config.data.shuffle, seed=config.data.seed)
         self.sampling = SamplingSpec(**config.sampling.model_dump())
         self.workers: dict[str, WorkerState] = {}
         self.latest = 0
@@ -142,7 +143,12 @@ class ManagerService(Service):
         return os.path.join(self.config.state_dir, "manager_state.json")
 
     def _restore(self) -> None:
-        """``--resume``: cursor, open batch and ledger from ``state_dir`` (see the ledger)."""
+        """``--resume``: cursor, open batch and ledger from ``state_dir`` (see the ledger).
+
+        The saved cursor resumes in the order it was taken in: a config whose
+        ``data.shuffle`` / ``data.seed`` differ from the saved ones, or a prompt file
+        of another length, is refused (:func:`~laminar_rollout.prompts.check_resume`).
+        """
         path = self._state_path()
         if path is None:
             raise LaminarError("manager --resume needs state_dir (where the state was saved)")
@@ -153,8 +159,11 @@ class ManagerService(Service):
             with open(path) as fh:
                 data = json.load(fh)
             cursor = data["summary"]["cursor"]
+            shuffle, seed = self.config.data.shuffle, self.config.data.seed
+            check_resume(cursor, len(self.records), shuffle, seed)
             self.cursor = PromptCursor(self.records, self.config.epochs, self.config.max_prompts,
-                                       epoch=int(cursor["epoch"]), position=int(cursor["position"]))
+                                       epoch=int(cursor["epoch"]), position=int(cursor["position"]),
+                                       shuffle=shuffle, seed=seed)
             self.batch = int(data["summary"].get("batch", -1))
             self.ledger = TrajectoryLedger.restored(data["ledger"], self.cursor.lookup,
                                                     self.sampling, self.config.ledger_keep_groups)

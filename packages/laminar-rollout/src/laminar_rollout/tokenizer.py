@@ -1,15 +1,21 @@
 """Tokenizers the worker uses around an engine (engines see token ids only).
 
 - :class:`HfTokenizer`: the tokenizer saved next to a model (``save_pretrained``
-  directory), loaded offline. ``encode`` applies the tokenizer's own template
-  (e.g. a leading ``<bos>``), exactly as the trainer's warm start did.
+  directory), loaded offline. ``encode_prompt`` turns a text prompt or chat
+  messages into ids with :func:`laminar_common.data.chat.prompt_token_ids`, the
+  function the trainer uses too; EOS ids are the tokenizer's plus those of the
+  model's ``generation_config.json``.
 - :class:`ByteTokenizer`: for the simulated engine: UTF-8 bytes offset past a
-  few special ids. It exists so scheduling benchmarks need no model files.
+  few special ids. It exists so scheduling benchmarks need no model files; it
+  renders chat messages with a fixed ChatML-like text layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Protocol
+
+from laminar_common.data.chat import Prompt, eos_token_ids, prompt_token_ids
 
 __all__ = ["Tokenizer", "HfTokenizer", "ByteTokenizer", "make_tokenizer"]
 
@@ -19,6 +25,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, prompt: Prompt) -> list[int]: ...
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -27,11 +35,14 @@ class HfTokenizer:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(model_dir)
-        eos = self._tok.eos_token_id
-        self.eos_token_ids = () if eos is None else (int(eos),)
+        self.eos_token_ids = eos_token_ids(self._tok, model_dir)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text)["input_ids"])
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Text as is; chat messages through the chat template (ConfigError if none)."""
+        return prompt_token_ids(self._tok, prompt)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -44,9 +55,20 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [1] + [b + self.OFFSET for b in text.encode()]
 
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return self.encode(render_plain_chat(prompt))
+
     def decode(self, ids: list[int]) -> str:
         return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET).decode(
             "utf-8", "replace")
+
+
+def render_plain_chat(messages: Sequence[Mapping[str, str]]) -> str:
+    """A fixed ChatML-like text layout for tokenizers without a template (simulated runs)."""
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return turns + "<|im_start|>assistant\n"
 
 
 def make_tokenizer(engine_config) -> Tokenizer:

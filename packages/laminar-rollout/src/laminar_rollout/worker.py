@@ -36,7 +36,7 @@ import msgspec
 
 from laminar_common import codec
 from laminar_common.codec import PartialProgress, PromptTask, Trajectory, WorkerReport
-from laminar_common.errors import LaminarError, TransportError
+from laminar_common.errors import ConfigError, LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
@@ -47,7 +47,7 @@ from laminar_common.transport import Client, PushSender, make_client, make_push_
 from .config import WorkerConfig
 from .engines import EngineError, GenerationEngine, GenerationOutput, GenerationRequest
 from .engines import SamplingParams as EngineSampling
-from .rewards import RewardFn, load_reward_fn, score
+from .rewards import RewardFn, RewardPool, load_reward_fn
 from .tokenizer import Tokenizer
 from .version import __version__
 
@@ -90,6 +90,10 @@ class WorkerService(Service):
         self.tokenizer = tokenizer
         self.fetch_weights = fetch_weights
         self.reward_fn = reward_fn or load_reward_fn(config.reward)
+        self.rewards = RewardPool(self.reward_fn, workers=config.reward_workers,
+                                  timeout_s=config.reward_timeout_s)
+        self._scoring: dict[str, tuple[PromptTask, GenerationOutput, str]] = {}
+        """Generated, waiting for the reward pool: still held (reported), not yet pushed."""
         self.coordinator = coordinator
         self.manager: Client | None = None
         self._manager_key: tuple[str, float] | None = None
@@ -224,6 +228,7 @@ class WorkerService(Service):
                 json.dump(self.stats(), fh)
         if self.metrics is not None:
             self.metrics.stop()
+        self.rewards.close()
         if self.coordinator is not None:
             self.coordinator.close()
         for sock in (self.manager, self.trainer):
@@ -241,7 +246,8 @@ class WorkerService(Service):
                 self._reconnect_manager(self._rejoin_to)
                 continue
             busy = self.engine.has_unfinished()
-            msg = self.manager.recv(timeout_s=0 if busy or self._fresh else 0.02)
+            wait = 0.0 if busy or self._fresh else (0.002 if self._scoring else 0.02)
+            msg = self.manager.recv(timeout_s=wait)
             while msg is not None:
                 self._handle(msg)
                 msg = self.manager.recv(timeout_s=0) if self.manager is not None else None
@@ -264,6 +270,7 @@ class WorkerService(Service):
                 self.busy_s += time.monotonic() - t0
             else:
                 self._mark("idle")
+            self._collect_rewards()
             self._report()
             self._resend_overdue()
 
@@ -382,10 +389,11 @@ class WorkerService(Service):
             self._add(self._fresh.popleft())
 
     def _add(self, task: PromptTask) -> None:
-        ids = list(task.prompt_token_ids) or self.tokenizer.encode(task.prompt)
         s = task.sampling
         stop = tuple(s.stop_token_ids) or tuple(self.tokenizer.eos_token_ids)
         try:
+            ids = list(task.prompt_token_ids) or self.tokenizer.encode_prompt(
+                task.messages or task.prompt)
             params = EngineSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                     max_tokens=s.max_tokens, stop_token_ids=stop, seed=s.seed)
             request = GenerationRequest(
@@ -395,7 +403,7 @@ class WorkerService(Service):
                 policy_version=task.policy_version if task.resume_token_ids else None,
             )
             self.engine.add_request(request)
-        except (EngineError, ValueError) as exc:
+        except (EngineError, ConfigError, ValueError) as exc:
             self.counters["rejected"] += 1
             self.manager.send(codec.GenerationRejected(trajectory_ids=(task.trajectory_id,),
                                       reason=str(exc)))
@@ -403,26 +411,39 @@ class WorkerService(Service):
         self._tasks[task.trajectory_id] = task
 
     def _finish(self, out: GenerationOutput) -> None:
+        """Generation is over: hand the completion to the reward pool (off the decode loop)."""
         task = self._tasks.pop(out.request_id)
         if out.finish_reason == "aborted":
             return
         text = self.tokenizer.decode(out.token_ids)
-        reward, error = score(self.reward_fn, task.metadata, text)
-        if error is not None:
-            self.counters["reward_errors"] += 1
-            log.warning("reward function failed on %s: %s", out.request_id, error)
-        traj = Trajectory(
-            trajectory_id=task.trajectory_id, prompt_id=task.prompt_id,
-            group_size=task.group_size, sample_index=task.sample_index, worker_id=self.worker_id,
-            policy_version=out.policy_version, prompt_token_ids=tuple(out.prompt_token_ids),
-            response_token_ids=tuple(out.token_ids), behaviour_logprobs=tuple(out.logprobs),
-            reward=reward, finish_reason=out.finish_reason, reward_error=error, completion=text,
-            simulated=out.simulated, group_seq=task.group_seq, settled_below=task.settled_below,
-        )
-        self.outbox[traj.trajectory_id] = traj
-        self._done_since_report.append(traj.trajectory_id)
-        self.counters["finished"] += 1
-        self._push(traj)
+        self._scoring[task.trajectory_id] = (task, out, text)
+        prompt = [dict(m) for m in task.messages] if task.messages else task.prompt
+        self.rewards.submit(task.trajectory_id, prompt, text, task.metadata)
+
+    def _collect_rewards(self) -> None:
+        for tid, reward, error in self.rewards.poll():
+            entry = self._scoring.pop(tid, None)
+            if entry is None:  # dropped meanwhile (a rejoin cannot drop these; defensive)
+                log.warning("reward for %s arrived but the trajectory is gone", tid)
+                continue
+            task, out, text = entry
+            if error is not None:
+                self.counters["reward_errors"] += 1
+                log.warning("reward function failed on %s: %s", tid, error)
+            traj = Trajectory(
+                trajectory_id=task.trajectory_id, prompt_id=task.prompt_id,
+                group_size=task.group_size, sample_index=task.sample_index,
+                worker_id=self.worker_id, policy_version=out.policy_version,
+                prompt_token_ids=tuple(out.prompt_token_ids),
+                response_token_ids=tuple(out.token_ids), behaviour_logprobs=tuple(out.logprobs),
+                reward=reward, finish_reason=out.finish_reason, reward_error=error,
+                completion=text, simulated=out.simulated, group_seq=task.group_seq,
+                settled_below=task.settled_below, sampling=task.sampling,
+            )
+            self.outbox[traj.trajectory_id] = traj
+            self._done_since_report.append(traj.trajectory_id)
+            self.counters["finished"] += 1
+            self._push(traj)
 
     def _push(self, traj: Trajectory) -> None:
         if self.trainer is None:
@@ -485,7 +506,8 @@ class WorkerService(Service):
             worker_id=self.worker_id, policy_version=self.engine.weight_version,
             active=load.active, queued=load.queued + len(self._fresh),
             max_batch=0 if full else load.max_batch, kv_used_tokens=load.kv_used_tokens,
-            kv_capacity_tokens=load.kv_capacity_tokens, holding=tuple(self._tasks),
+            kv_capacity_tokens=load.kv_capacity_tokens,
+            holding=tuple(self._tasks) + tuple(self._scoring),
             done=tuple(self._done_since_report),
         ))
         self._done_since_report = []
