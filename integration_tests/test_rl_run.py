@@ -179,7 +179,8 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
     # manager's bound instead of growing with every step.
     assert max(r["staleness_max"] for r in rows) <= 2
 
-    # The relay's latest version is byte for byte the weights of the last checkpoint.
+    # The relay's latest version is byte for byte the last checkpoint's weights, cast to
+    # the publish dtype (bfloat16 by default); the checkpoint and final model keep fp32.
     coord = EtcdCoordinator([etcd.endpoint], job, ttl_s=3)
     try:
         client = RelayClient(coord, client_id="test-reader")
@@ -189,11 +190,15 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
             views = {name: bytes(view) for name, view in fetched.tensors().items()}
     finally:
         coord.close()
-    saved = load_file(str(ckpt / f"step-{steps:08d}" / "model.safetensors"))
+    saved = load_file(str(ckpt / f"step-{steps:08d}" / "model" / "model.safetensors"))
     assert set(published) == set(saved)
     for name, tensor in saved.items():
-        assert published[name] == ("float32", tuple(tensor.shape)), name
-        assert views[name] == tensor.contiguous().view(torch.uint8).numpy().tobytes(), name
+        assert tensor.dtype == torch.float32, name
+        assert published[name] == ("bfloat16", tuple(tensor.shape)), name
+        cast = tensor.to(torch.bfloat16).contiguous()
+        assert views[name] == cast.view(torch.uint8).numpy().tobytes(), name
+    final = load_file(str(run_dir / "final" / "model.safetensors"))
+    assert all(torch.equal(final[name], tensor) for name, tensor in saved.items())
 
     # The two-rank checkpoint resumes in a single process and goes on.
     single = spawn("trainer-single", "laminar_trainer.cli", *trainer_args,
@@ -268,7 +273,7 @@ def test_bad_trajectories_against_the_real_model_are_refused_counted_and_regener
                                    "bad-logprob": 1}
     assert summary["buffer"]["failed"] == 1
     assert summary["nonfinite_steps"] == 0
-    weights = load_file(str(ckpt / f"step-{total_steps:08d}" / "model.safetensors"))
+    weights = load_file(str(ckpt / f"step-{total_steps:08d}" / "model" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values()), "NaN in the weights"
     consumed = _consumed(run_dir)
     assert len(consumed) == len(set(consumed))

@@ -113,7 +113,7 @@ def _run_trainer(args: argparse.Namespace, out: Path) -> list[dict]:
                 step, step, [i for i, _ in kept], 0, consumed_seqs=[q for _, q in kept],
                 settled_below=mark, failed=failed), keep=1)
             rows.append({"trajectories": done, "rss_mb": _rss_mb() - base,
-                         "checkpoint_bytes": (path / "trainer.json").stat().st_size,
+                         "checkpoint_bytes": (path / "trainer_state" / "trainer.json").stat().st_size,
                          "ids_kept": len(kept), "write_s": time.perf_counter() - t0})
     return rows
 

@@ -14,7 +14,8 @@ from laminar_common.testing import clear_laminar_env, option_envvars
 from laminar_rollout.cli import cli, main
 from laminar_rollout.config import ManagerConfig, WorkerConfig
 
-MODELS = {"serve": (WorkerConfig, []), "manage": (ManagerConfig, ["prompts=p.jsonl"])}
+MODELS = {"serve": (WorkerConfig, ["engine.type=simulated"]),
+          "manage": (ManagerConfig, ["prompts=p.jsonl"])}
 
 
 @pytest.fixture(autouse=True)

@@ -272,7 +272,7 @@ def test_load_weights_is_refused_while_busy_and_versions_increase(model):
     [
         ("no.such.weight", torch.zeros(1), "'no.such.weight' is not a parameter"),
         ("lm_head.weight", torch.zeros(3, 3), r"'lm_head.weight' has shape \(3, 3\)"),
-        ("lm_head.weight", torch.zeros(VOCAB, 64, dtype=torch.float64), "has dtype torch.float64"),
+        ("lm_head.weight", torch.zeros(VOCAB, 64, dtype=torch.int64), "has dtype torch.int64"),
     ],
 )
 def test_load_weights_rejects_mismatched_tensors(model, name, tensor, match):
@@ -413,6 +413,39 @@ def test_loads_from_a_local_directory(model, tmp_path):
     assert engine.run_until_done([req])[0].token_ids == greedy_reference(model, [3, 3, 3], 8)
     with pytest.raises(EngineError, match="cannot load a causal LM"):
         TorchEngine(str(tmp_path / "missing"))
+
+
+def test_weights_in_another_floating_dtype_are_cast_on_load(model):
+    """A trainer publishing bfloat16 to a float32 engine (or float32 to a bfloat16 one)."""
+    engine = TorchEngine(_build(seed=3), max_batch=2, eos_token_ids=())
+    bf16 = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    engine.load_weights(1, bf16.items())
+    assert engine.model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(engine.model.lm_head.weight, bf16["lm_head.weight"].float())
+    low = TorchEngine(_build(seed=3, dtype=torch.bfloat16), max_batch=2, eos_token_ids=())
+    low.load_weights(1, model.state_dict().items())
+    assert low.model.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(low.model.lm_head.weight, bf16["lm_head.weight"])
+
+
+def test_a_bfloat16_engine_from_a_directory_samples_with_float32_logprobs(model, tmp_path):
+    from laminar_rollout.config import TorchEngineConfig
+    from laminar_rollout.engines import make_engine_from_config
+
+    model.save_pretrained(tmp_path)
+    engine = make_engine_from_config(TorchEngineConfig(model_dir=str(tmp_path), dtype="bfloat16",
+                                                       max_batch=2))
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    req = GenerationRequest("b", [3, 3, 3], SamplingParams(temperature=1.0, max_tokens=6, seed=1))
+    out = engine.run_until_done([req])[0]
+    assert len(out.token_ids) == 6 and all(lp <= 0 for lp in out.logprobs)
+    # The behaviour log-probs are those of the bf16 model, computed in float32.
+    ids = torch.tensor([[3, 3, 3, *out.token_ids]])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits.float()
+    ref = torch.log_softmax(logits[0, 2:-1], dim=-1).gather(
+        -1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(out.logprobs), ref, atol=0.05)
 
 
 def test_make_engine_kinds():

@@ -48,7 +48,7 @@ def main(model_dir: str, groups_file: str, out: str) -> int:
                         optimizer_state=optim_state)
         records = json.loads(Path(out, "eval.json").read_text())
         ctx.send_eval(records, 8)
-        accuracy = evaluate_records(training, records, 8)
+        accuracy = evaluate_records(training, records, cfg).accuracy
         ctx.send_command(Command.STOP)
         Path(out, "result.json").write_text(json.dumps({"losses": losses, "accuracy": accuracy}))
         return 0

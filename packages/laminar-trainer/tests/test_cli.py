@@ -27,7 +27,8 @@ def _option_envvars(command_name: str) -> dict[str, str]:
 
 
 def test_the_commands_and_their_options_are_those_of_before():
-    assert sorted(cli.commands) == ["run", "warmstart"]
+    assert sorted(cli.commands) == ["export", "run", "warmstart"]
+    assert set(_option_envvars("export")) == {"--out", "--dtype", "--force"}
     assert set(_option_envvars("run")) == {"--config", "--resume", "--print-config"}
     assert set(_option_envvars("warmstart")) == {
         "--out", "--task", "--steps", "--difficulty", "--demo-error-rate", "--target-accuracy",
@@ -78,6 +79,15 @@ def test_a_bad_field_path_fails_naming_it(capsys):
     assert "set model_dir (or simulate, for benchmarks)" in capsys.readouterr().err
 
 
+def test_a_missing_model_dir_fails_at_load_naming_the_field(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert main(["run", "--set", f"model_dir={missing}", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert f"\n  model_dir: Value error, model directory '{missing}' does not exist" in err
+    assert main(["run", "--set", f"model_dir={tmp_path}", "--print-config"]) == 2
+    assert f"model directory '{tmp_path}' holds no config.json" in capsys.readouterr().err
+
+
 def test_usage_errors_exit_2(capsys):
     assert main(["warmstart"]) == 2  # --out is required
     assert "Missing option '--out'" in capsys.readouterr().err
@@ -122,4 +132,4 @@ def test_help_and_print_config_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     codes, heavy = json.loads(out.stdout)
-    assert codes == [0, 0, 0, 0] and heavy == []
+    assert codes == [0] * (len(cli.commands) + 2) and heavy == []

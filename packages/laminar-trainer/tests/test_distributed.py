@@ -85,14 +85,16 @@ def test_uneven_batch_groups_are_refused_before_joining(monkeypatch):
 
 
 def test_two_ranks_make_the_same_update_as_one_process(model_dir, tmp_path):
-    cfg = {"model_dir": model_dir, "batch_groups": 4, "optim": {"lr": 1e-2}, "seed": 3}
+    cfg = {"model_dir": model_dir, "batch_groups": 4, "optim": {"lr": 1e-2}, "seed": 3,
+           "eval": {"max_new_tokens": 8}}
     out = tmp_path / "ranks"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(cfg))
     steps = [_groups(s) for s in range(2)]
     groups_file = tmp_path / "groups.msgpack"
     groups_file.write_bytes(msgspec.msgpack.encode([encode_groups(g) for g in steps]))
-    records = make_task_records("sort", 12, seed=0, split="eval", max_len=3)
+    records = [{"id": r["id"], "prompt": r["prompt"], "metadata": r}
+               for r in make_task_records("sort", 12, seed=0, split="eval", max_len=3)]
     (out / "eval.json").write_text(json.dumps(records))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
@@ -120,7 +122,7 @@ def test_two_ranks_make_the_same_update_as_one_process(model_dir, tmp_path):
     initial = build_training(single_cfg, None).model.state_dict()
     moved = sum(not torch.equal(initial[k], expected[k]) for k in expected)
     assert moved == len(expected)  # every tensor took the update (lr 1e-2)
-    assert result["accuracy"] == evaluate_records(single, records, 8)
+    assert result["accuracy"] == evaluate_records(single, records, single_cfg).accuracy
 
     # The two-rank checkpoint resumes in one process: weights, optimizer, schedule.
     resumed = build_training(single_cfg, None)

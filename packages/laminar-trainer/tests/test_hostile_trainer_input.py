@@ -167,12 +167,15 @@ def ckpt(pristine, tmp_path_factory):
     return copy_dir
 
 
+STATE = "trainer_state"  # where a checkpoint keeps trainer.json and the optimizer files
+
+
 def _restore(ckpt, pristine, name):
-    shutil.copyfile(pristine / name, ckpt / name)
+    shutil.copyfile(pristine / STATE / name, ckpt / STATE / name)
 
 
 def check_trainer_json(ckpt, raw: bytes) -> None:
-    (ckpt / "trainer.json").write_bytes(raw)
+    (ckpt / STATE / "trainer.json").write_bytes(raw)
     try:
         state = load_checkpoint(ckpt, None)
     except LaminarError as exc:
@@ -198,7 +201,7 @@ def test_trainer_json_from_anything(ckpt, pristine, raw):
 @FILE_SETTINGS
 @given(st.data())
 def test_trainer_json_with_parts_changed(ckpt, pristine, data):
-    original = json.loads((pristine / "trainer.json").read_text())
+    original = json.loads((pristine / STATE / "trainer.json").read_text())
     try:
         check_trainer_json(ckpt, _encode(data.draw(mutated(original))))
     finally:
@@ -206,7 +209,7 @@ def test_trainer_json_with_parts_changed(ckpt, pristine, data):
 
 
 def check_optimizer_file(ckpt, name: str, raw: bytes) -> None:
-    (ckpt / name).write_bytes(raw)
+    (ckpt / STATE / name).write_bytes(raw)
     try:
         saved = read_optimizer_state(ckpt)
     except LaminarError as exc:
@@ -234,7 +237,7 @@ def test_optimizer_json_from_anything(ckpt, pristine, raw):
 @FILE_SETTINGS
 @given(st.data())
 def test_optimizer_json_with_parts_changed(ckpt, pristine, data):
-    original = json.loads((pristine / "optimizer.json").read_text())
+    original = json.loads((pristine / STATE / "optimizer.json").read_text())
     try:
         check_optimizer_file(ckpt, "optimizer.json", _encode(data.draw(mutated(original))))
     finally:
@@ -244,7 +247,7 @@ def test_optimizer_json_with_parts_changed(ckpt, pristine, data):
 @FILE_SETTINGS
 @given(st.data())
 def test_optimizer_tensors_corrupted(ckpt, pristine, data):
-    good = (pristine / "optimizer.safetensors").read_bytes()
+    good = (pristine / STATE / "optimizer.safetensors").read_bytes()
     cut = data.draw(st.integers(0, len(good)))
     raw = data.draw(st.sampled_from([good[:cut], good[:cut] + data.draw(st.binary(max_size=40)),
                                      data.draw(st.binary(max_size=200))]))
@@ -274,7 +277,7 @@ def test_a_pristine_checkpoint_loads(ckpt):
     ("optimizer.safetensors", b"\x00" * 8, "optimizer.safetensors cannot be read"),
 ])
 def test_corrupted_files_are_named(ckpt, pristine, name, raw, message):
-    (ckpt / name).write_bytes(raw)
+    (ckpt / STATE / name).write_bytes(raw)
     try:
         with pytest.raises(LaminarError, match=message) as info:
             load_checkpoint(ckpt, _optimizer())
@@ -298,4 +301,4 @@ def test_latest_marker_from_any_bytes(pristine, raw):
         return
     finally:
         marker.write_bytes(good)
-    assert (found / "trainer.json").is_file()
+    assert (found / STATE / "trainer.json").is_file()

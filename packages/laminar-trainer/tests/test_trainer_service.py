@@ -328,3 +328,38 @@ def test_a_fresh_start_clears_an_earlier_runs_checkpoints(tmp_path, model_dir):
         assert svc2.step == 2
     finally:
         svc2.close()
+
+
+def test_the_final_model_is_saved_without_checkpoints_and_publishes_are_bf16(tmp_path, model_dir):
+    """Default checkpoint config (none) and bf16 training: the trained fp32 master weights
+    end in <run_dir>/final as a Hugging Face directory; every publish carried bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from laminar_trainer.config import CheckpointConfig
+
+    h = Harness(tmp_path, model_dir, total_steps=2, dtype="bfloat16")
+    h.cfg = h.cfg.model_copy(update={"checkpoint": CheckpointConfig()})
+    dtypes: set[str] = set()
+    record = h._publish
+
+    def publish(version, tensors, step):
+        dtypes.update(dtype for _, dtype, _, _ in tensors)
+        record(version, tensors, step)
+
+    h._publish = publish
+    svc = h.start()
+    try:
+        h.send(svc, [t for p in "abcd" for t in _trajs(p)])
+        assert _wait(lambda: svc.finished.is_set(), 60)
+        trained = {k: v.clone() for k, v in svc.model.state_dict().items()}
+    finally:
+        svc.close()
+    assert dtypes == {"bfloat16"} and h.published == [0, 1, 2]
+    final = tmp_path / "run" / "final"
+    assert not (tmp_path / "ckpt").exists()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["final_model"] == str(final)
+    saved = AutoModelForCausalLM.from_pretrained(str(final))
+    assert {p.dtype for p in saved.parameters()} == {torch.float32}
+    for name, tensor in trained.items():
+        assert torch.equal(saved.state_dict()[name], tensor), name
+    assert (final / "tokenizer.json").is_file() and not list(final.glob("optimizer*"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import socket
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
@@ -20,6 +21,7 @@ from laminar_common.config import (
     LoggingConfig,
     MetricsConfig,
 )
+from laminar_common.data.records import DataConfig
 
 __all__ = [
     "TorchEngineConfig",
@@ -37,12 +39,29 @@ __all__ = [
 Mode = Literal["sync", "one-step", "laminar"]
 
 
+def _check_model_dir(value: str) -> str:
+    """A model directory must exist and hold config.json when the config loads (a typo
+    fails there, naming the field, not when the engine loads)."""
+    try:
+        found = (Path(value) / "config.json").is_file()
+        what = "holds no config.json" if Path(value).is_dir() else "does not exist"
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte ...
+        found, what = False, f"cannot be read ({exc.__class__.__name__})"
+    if not found:
+        raise ValueError(f"model directory {value!r} {what} (want a save_pretrained "
+                         "directory: config.json, weights, tokenizer)")
+    return value
+
+
 class TorchEngineConfig(LaminarModel):
     """The torch engine: a transformers causal LM with continuous batching."""
 
     type: Literal["torch"] = "torch"
     model_dir: str
-    """Directory with a save_pretrained model and tokenizer."""
+    """Directory with a save_pretrained model and tokenizer (checked when the config loads)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the model is loaded and run in (weights published in another dtype are cast
+    on load); sampling and log-probs are computed in float32 from the logits."""
     max_batch: int = Field(default=8, ge=1)
     """Decode slots (sequences generated together)."""
     context_length: int | None = Field(default=None, ge=2)
@@ -53,6 +72,8 @@ class TorchEngineConfig(LaminarModel):
     """torch intra-op threads (small models on shared CPUs prefer 1)."""
     seed: int = 0
     """Sampling seed of the engine."""
+
+    _model_dir_exists = field_validator("model_dir")(_check_model_dir)
 
 
 class SimulatedEngineConfig(LaminarModel):
@@ -86,7 +107,8 @@ class VllmEngineConfig(LaminarModel):
 
     type: Literal["vllm"] = "vllm"
     model_dir: str
-    """Directory with a Hugging Face model."""
+    """Directory with a Hugging Face model (checked when the config loads); vLLM runs it
+    in config.json's dtype and casts the weights it is sent into it."""
     max_batch: int = Field(default=256, ge=1)
     """vLLM max_num_seqs."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
@@ -95,6 +117,8 @@ class VllmEngineConfig(LaminarModel):
     """vLLM max_model_len."""
     seed: int = 0
     """Sampling seed."""
+
+    _model_dir_exists = field_validator("model_dir")(_check_model_dir)
 
 
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -153,10 +177,18 @@ class WorkerConfig(LaminarModel):
     """Job name: all etcd keys live under /laminar/<job>/."""
     worker_id: str = Field(default_factory=lambda: f"worker-{socket.gethostname()}")
     """Member id, unique in the job."""
-    engine: EngineConfig = SimulatedEngineConfig()
-    """Which engine generates."""
-    reward: str = "laminar_rollout.rewards:synthetic_task"
-    """Reward function as module:function; called (metadata, completion) -> float."""
+    engine: EngineConfig
+    """Which engine generates (required: ``type`` is torch, vllm, simulated or custom)."""
+    reward: str = "synthetic"
+    """Reward function: a built-in (math: math-verify equivalence, needs
+    laminar-common[math]; gsm8k: the number after ####; exact: exact-answer match;
+    synthetic: the demo's sort/reverse/add tasks) or package.module:function, called
+    fn(prompt, completion, metadata) -> float with the ground truth in metadata["answer"]."""
+    reward_workers: int = Field(default=2, ge=1)
+    """Threads scoring completions, off the decode loop."""
+    reward_timeout_s: float = Field(default=30.0, gt=0)
+    """One reward call running longer scores 0.0 with a counted reward error (its thread
+    is abandoned and replaced: a Python call cannot be interrupted)."""
     report_interval_s: float = Field(default=0.5, gt=0)
     """How often load reports and partial progress go to the manager."""
     outbox_capacity: int = Field(default=4096, ge=1)
@@ -200,7 +232,14 @@ class ManagerConfig(LaminarModel):
     manager_id: str = "manager"
     """Member id of the manager."""
     prompts: str
-    """Prompt file: JSONL (one {"id","prompt",...} object a line) or parquet."""
+    """Prompt dataset: JSONL / .json (one object a line) or parquet (needs pyarrow),
+    e.g. Laminar's {"id", "prompt", ...} lines, GSM8K's {"question", "answer"} lines or
+    a verl parquet (chat-message prompts, reward_model.ground_truth); where the prompt,
+    id and answer are is ``data``."""
+    data: DataConfig = DataConfig()
+    """How the prompt file's records are read: prompt_key / answer_key / id_key (dot
+    paths), system_prompt, chat_template (auto | always | never), and shuffle + seed
+    (each epoch in its own order from (seed, epoch); a resumed run must keep both)."""
     group_size: int = Field(default=4, ge=1)
     """Samples per prompt (a GRPO group)."""
     sampling: SamplingConfig = SamplingConfig()

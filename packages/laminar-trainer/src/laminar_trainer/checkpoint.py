@@ -1,13 +1,24 @@
-"""Checkpoints: model, optimizer, step, weight version, consumed ids — written atomically.
+"""Checkpoints and model directories: written atomically, nothing pickled.
 
-Layout of ``<dir>/step-<NNNNNNNN>/``: the model and tokenizer
-(``save_pretrained``), ``optimizer.safetensors`` (every optimizer state tensor)
-with ``optimizer.json`` (param groups and scalar state), and ``trainer.json``
-(step, version, the ids consumed up to this step above the manager's
-watermark with their group numbers, the watermark, RNG seed). A checkpoint is
+Layout of ``<dir>/step-<NNNNNNNN>/``:
+
+- ``model/``: a clean Hugging Face directory (``save_pretrained``: safetensors,
+  config.json, generation_config.json; the tokenizer: tokenizer.json,
+  tokenizer_config.json with its chat template). It loads with
+  ``from_pretrained`` as it is; the float32 master weights.
+- ``trainer_state/``: ``optimizer.safetensors`` (every optimizer state tensor)
+  with ``optimizer.json`` (param groups and scalar state), ``rng.safetensors``
+  (torch's RNG states) and ``trainer.json`` (step, version, the ids consumed up
+  to this step above the manager's watermark with their group numbers, the
+  watermark, the seed). The LR schedule is a function of the step: a resume
+  fast-forwards it.
+
+A checkpoint of the earlier flat layout (model files, ``trainer.json`` and the
+optimizer files side by side in ``step-N/``) still loads. A checkpoint is
 written into ``step-N.tmp`` and renamed into place, then ``LATEST`` is
 replaced (also by rename), so a crash leaves the previous checkpoint intact
-and never a partial one. Nothing is pickled.
+and never a partial one. :func:`save_model_dir` writes a bare model directory
+(the trainer's final model) the same way.
 
 The ids consumed after the latest checkpoint are rolled back with it: the
 resumed trainer does not contain their update, may train them again, and the
@@ -28,8 +39,12 @@ from safetensors.torch import load_file, save_file
 
 from laminar_common.errors import LaminarError
 
-__all__ = ["TrainerState", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "read_optimizer_state"]
+__all__ = ["CheckpointPaths", "TrainerState", "checkpoint_paths", "latest_checkpoint",
+           "load_checkpoint", "read_optimizer_state", "restore_rng", "save_checkpoint",
+           "save_model_dir"]
+
+MODEL_DIR = "model"
+STATE_DIR = "trainer_state"
 
 
 @dataclass
@@ -44,6 +59,64 @@ class TrainerState:
     """The manager's watermark: ids of groups below it are not listed (all settled)."""
     failed: dict[str, str] | None = None
     """Consumed ids that were given up on (rejected too often), with the reason."""
+
+
+@dataclass(frozen=True)
+class CheckpointPaths:
+    """Where the parts of one checkpoint live."""
+
+    root: Path
+    """The ``step-N`` directory."""
+    model: Path | None
+    """The Hugging Face model directory (None: a simulated step saved no model)."""
+    state: Path
+    """The directory of ``trainer.json`` and the optimizer and RNG files."""
+
+
+def checkpoint_paths(path: str | os.PathLike[str]) -> CheckpointPaths:
+    """The parts of the checkpoint ``path`` (this layout or the earlier flat one).
+
+    Raises:
+        LaminarError: ``path`` holds no ``trainer_state/trainer.json`` (nor a
+            flat ``trainer.json``): not a complete checkpoint.
+    """
+    root = Path(path)
+    if (root / STATE_DIR / "trainer.json").is_file():
+        model = root / MODEL_DIR
+        return CheckpointPaths(root, model if (model / "config.json").is_file() else None,
+                               root / STATE_DIR)
+    if (root / "trainer.json").is_file():  # the flat layout
+        return CheckpointPaths(root, root if (root / "config.json").is_file() else None, root)
+    raise LaminarError(f"checkpoint {root} is incomplete or not a checkpoint: it has no "
+                       f"{STATE_DIR}/trainer.json")
+
+
+def save_model_dir(out: str | os.PathLike[str], model, tokenizer, *,
+                   state_dict: dict | None = None) -> Path:
+    """Write ``model`` (and ``tokenizer``) as a Hugging Face directory, atomically.
+
+    The directory is written as ``<out>.tmp`` and renamed over ``out`` (an
+    existing one is replaced). The chat template goes into tokenizer_config.json,
+    where every loader finds it. ``state_dict``: the weights to write instead of
+    the model's own (a full state gathered from FSDP ranks). Returns ``out``.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _write_model(tmp, model, tokenizer, state_dict)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _write_model(out: Path, model, tokenizer, state_dict: dict | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if model is not None:
+        model.save_pretrained(out, state_dict=state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out, save_jinja_files=False)
 
 
 def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -88,17 +161,18 @@ def save_checkpoint(root: str | os.PathLike[str], model, tokenizer,
     tmp = root / f"step-{state.step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    if model is not None:
-        model.save_pretrained(tmp, state_dict=model_state)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+    if model is not None or tokenizer is not None:
+        _write_model(tmp / MODEL_DIR, model, tokenizer, model_state)
+    state_dir = tmp / STATE_DIR
+    state_dir.mkdir()
     if optimizer_state is None and optimizer is not None:
         optimizer_state = optimizer.state_dict()
     if optimizer_state is not None:
         tensors, meta = _flatten_optimizer(optimizer_state)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "optimizer.json").write_text(json.dumps(meta))
-    (tmp / "trainer.json").write_text(json.dumps(state.__dict__))
+        save_file(tensors, str(state_dir / "optimizer.safetensors"))
+        (state_dir / "optimizer.json").write_text(json.dumps(meta))
+    save_file(_rng_state(), str(state_dir / "rng.safetensors"))
+    (state_dir / "trainer.json").write_text(json.dumps(state.__dict__))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -110,6 +184,33 @@ def save_checkpoint(root: str | os.PathLike[str], model, tokenizer,
     return final
 
 
+def _rng_state() -> dict[str, torch.Tensor]:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def restore_rng(path: str | os.PathLike[str]) -> bool:
+    """Restore torch's RNG states from checkpoint ``path``; False when it has none
+    (the flat layout). A CUDA state is restored only where CUDA is in use.
+
+    Raises:
+        LaminarError: ``rng.safetensors`` is unreadable or malformed.
+    """
+    file = checkpoint_paths(path).state / "rng.safetensors"
+    if not file.is_file():
+        return False
+    try:
+        rng = load_file(str(file))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(rng["cuda"])
+    except (OSError, SafetensorError, KeyError, RuntimeError, TypeError) as exc:
+        raise LaminarError(f"checkpoint file {file} cannot be restored: {exc}") from exc
+    return True
+
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     marker = Path(root) / "LATEST"
     if not marker.is_file():
@@ -118,7 +219,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         path = Path(root) / marker.read_text(encoding="utf-8").strip()
     except (OSError, ValueError) as exc:
         raise LaminarError(f"checkpoint marker {marker} cannot be read: {exc}") from exc
-    if not (path / "trainer.json").is_file():
+    if not ((path / STATE_DIR / "trainer.json").is_file() or (path / "trainer.json").is_file()):
         raise LaminarError(f"checkpoint {path} named by {marker} is incomplete")
     return path
 
@@ -162,21 +263,23 @@ def load_checkpoint(path: str | os.PathLike[str],
                     optimizer: torch.optim.Optimizer | None) -> TrainerState:
     """Restore the optimizer (if any) from ``path`` and return the trainer state.
 
-    The model is loaded by the caller with ``from_pretrained(path)``.
+    The model is loaded by the caller with ``from_pretrained(checkpoint_paths(path).model)``.
 
     Raises:
-        LaminarError: a file of the checkpoint is missing, unreadable or malformed
-            (the message names it), or the optimizer state does not fit ``optimizer``.
+        LaminarError: not a checkpoint, or a file of it is missing, unreadable or
+            malformed (the message names it), or the optimizer state does not fit
+            ``optimizer``.
     """
-    path = Path(path)
-    state = _trainer_state(path / "trainer.json", _read_json(path / "trainer.json"))
+    paths = checkpoint_paths(path)
+    file = paths.state / "trainer.json"
+    state = _trainer_state(file, _read_json(file))
     if optimizer is not None:
         saved = read_optimizer_state(path)
         try:
             optimizer.load_state_dict(saved)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise LaminarError(
-                f"checkpoint {path}: the optimizer state in optimizer.json / "
+                f"checkpoint {paths.state}: the optimizer state in optimizer.json / "
                 f"optimizer.safetensors does not fit this optimizer: {exc!r}") from exc
     return state
 
@@ -188,7 +291,7 @@ def read_optimizer_state(path: str | os.PathLike[str]) -> dict:
         LaminarError: ``optimizer.json`` or ``optimizer.safetensors`` is missing,
             unreadable or malformed (the message names the file).
     """
-    path = Path(path)
+    path = checkpoint_paths(path).state
     meta_file, tensor_file = path / "optimizer.json", path / "optimizer.safetensors"
     meta = _read_json(meta_file)
     if not (isinstance(meta, dict) and isinstance(meta.get("param_groups"), list)

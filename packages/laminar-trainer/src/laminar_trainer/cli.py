@@ -1,4 +1,5 @@
-"""``laminar-trainer``: ``run`` (the trainer) and ``warmstart`` (build the demo's tiny model).
+"""``laminar-trainer``: ``run`` (the trainer), ``warmstart`` (build the demo's tiny model)
+and ``export`` (a checkpoint's model as a clean Hugging Face directory).
 
 A click group. Arguments are parsed and the config validated completely
 before torch or transformers are imported, so ``--help``, shell completion
@@ -140,6 +141,39 @@ def warmstart(out: str, task: str, steps: int | None, difficulty: tuple[str, ...
         return 2
     print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
                                        if isinstance(v, (int, float, str))}))
+    return 0
+
+
+@cli.command(short_help="export a checkpoint's model as a Hugging Face directory",
+             help="Export the model of a checkpoint (CHECKPOINT: a checkpoint.dir, one "
+                  "step-N checkpoint in it, or a model directory such as the final one) as "
+                  "a clean Hugging Face directory: safetensors weights in --dtype, "
+                  "config.json, generation_config.json and the tokenizer with its chat "
+                  "template; no optimizer or trainer state.")
+@click.argument("checkpoint", type=click.Path())
+@_option("--out", required=True, type=click.Path(),
+         help="output directory (absent or empty, unless --force)")
+@_option("--dtype", type=click.Choice(["bf16", "fp32", "fp16"]), default="bf16",
+         help="dtype of the exported weights (fp32: the trainer's master weights as they are)")
+@_option("--force", is_flag=True, help="replace a non-empty --out")
+def export(checkpoint: str, out: str, dtype: str, force: bool) -> int:
+    from laminar_common.errors import LaminarError
+    from laminar_common.logs import setup_logging
+
+    setup_logging("WARNING")
+    from transformers.utils import logging as hf_logging
+
+    from .export import export_model, resolve_model_dir
+
+    hf_logging.disable_progress_bar()
+
+    try:
+        source = resolve_model_dir(checkpoint)
+        written = export_model(source, out, dtype, force=force)
+    except LaminarError as exc:
+        print(f"laminar-trainer export: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {source} as {dtype} to {written}")
     return 0
 
 

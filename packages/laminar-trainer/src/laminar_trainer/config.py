@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from laminar_common.config import (
     AuthConfig,
@@ -14,6 +15,7 @@ from laminar_common.config import (
     LoggingConfig,
     MetricsConfig,
 )
+from laminar_common.data.records import DataConfig
 
 __all__ = ["TrainerConfig", "BufferConfig", "LossConfig", "OptimConfig", "CheckpointConfig",
            "EvalConfig", "SimulateConfig", "TrackingConfig", "TensorBoardConfig", "WandbConfig"]
@@ -82,16 +84,31 @@ class CheckpointConfig(LaminarModel):
 
 
 class EvalConfig(LaminarModel):
-    """Held-out evaluation (greedy accuracy on a prompt file)."""
+    """Held-out evaluation: greedy accuracy (and pass@k) on a dataset in the job's schema."""
 
     prompts: str | None = None
-    """JSONL of held-out records (id, task, prompt, answer); none: no eval."""
+    """Held-out JSONL or parquet, read like the rollout's prompt file (see ``data``);
+    none: no eval."""
+    data: DataConfig = DataConfig()
+    """Keys of the held-out file (prompt_key, answer_key, id_key, system_prompt,
+    chat_template), as the manager's ``data``."""
+    reward: str = "synthetic"
+    """Reward that scores completions: a built-in name (synthetic, exact, math, gsm8k)
+    or ``package.module:function`` (the worker's contract)."""
     every_steps: int = Field(default=0, ge=0)
     """Evaluate every this many steps (0: only before and after)."""
     max_new_tokens: int = Field(default=32, ge=1)
-    """Greedy decoding budget."""
+    """Decoding budget per completion."""
     limit: int = Field(default=200, ge=1)
-    """Records evaluated."""
+    """Records evaluated (the file's first ones)."""
+    samples: int = Field(default=0, ge=0)
+    """k of pass@k: completions sampled per record at ``temperature`` (0: greedy only)."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of the pass@k samples."""
+    pass_threshold: float = 1.0
+    """A sampled completion passes when its reward is at least this."""
+    seed: int = 0
+    """Seed of the pass@k sampling (the same on every rank)."""
 
 
 class SimulateConfig(LaminarModel):
@@ -141,7 +158,8 @@ class TrainerConfig(LaminarModel):
     trainer_id: str = Field(default_factory=lambda: f"trainer-{socket.gethostname()}")
     """Member id."""
     model_dir: str | None = None
-    """Warm-started model + tokenizer (save_pretrained dir); required unless simulate is set."""
+    """Warm-started model + tokenizer (save_pretrained dir); required unless simulate is set.
+    Checked when the config loads: the directory must exist and hold a config.json."""
     simulate: SimulateConfig | None = None
     """Simulated training step instead of a model (benchmarks only)."""
     listen: str = "tcp://127.0.0.1:0"
@@ -152,14 +170,30 @@ class TrainerConfig(LaminarModel):
     """Steps to train; the trainer exits 0 after the last one."""
     publish_every: int = Field(default=1, ge=1)
     """Publish weights every this many steps."""
-    temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature the workers use (log-probs are computed at it)."""
+    temperature: float | None = Field(default=None, gt=0)
+    """Log-probs are computed at each trajectory's own sampling temperature (it travels
+    on the trajectory). Set this to fix one: a trajectory sampled at another temperature
+    is then rejected (reason ``bad-sampling``) instead of trained at the wrong one."""
     max_rejections: int = Field(default=3, ge=1)
     """A trajectory id whose copies fail content validation this many times is given
     up on: its group trains without it and the manager records it as rejected (before
     that, each rejected copy is generated again)."""
     wait_timeout_s: float = Field(default=600.0, gt=0)
     """Give up if no full step of data arrives for this long."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training precision. float32: everything in fp32. bfloat16: mixed precision, the
+    master weights and the optimizer state stay fp32 and forward/backward run under
+    ``torch.autocast(dtype=bfloat16)`` (FSDP2 under torchrun: ``MixedPrecisionPolicy``,
+    bf16 parameters in the forward, fp32 gradient reduction); log-probs are computed in
+    fp32 from the logits either way."""
+    publish_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype of the floating-point weights published to the relays: the rollout engines'
+    dtype (bfloat16 carries half the bytes of float32); engines cast what arrives into
+    their own dtype. Checkpoints and the final model keep the fp32 master weights."""
+    final_dir: str | None = None
+    """Where the trained model is saved when the last step is done (a clean Hugging Face
+    directory: safetensors, config.json, generation_config.json, tokenizer); unset:
+    ``<run_dir>/final``. Always written, with or without checkpoints."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model trains: auto = CUDA (cuda:LOCAL_RANK) when available, else CPU.
     Under torchrun (WORLD_SIZE > 1) the model is sharded with FSDP2 over the ranks."""
@@ -189,3 +223,25 @@ class TrainerConfig(LaminarModel):
     """etcd connection and lease."""
     logging: LoggingConfig = LoggingConfig()
     """Log level and format."""
+
+    @field_validator("model_dir")
+    @classmethod
+    def _model_dir_exists(cls, value: str | None) -> str | None:
+        # Here, not when the model loads: a typo fails at once (and --print-config shows
+        # it) with this field's path, not later as a Hugging Face "repo id" error.
+        if value is None:
+            return value
+        try:
+            found = (Path(value) / "config.json").is_file()
+            what = "holds no config.json" if Path(value).is_dir() else "does not exist"
+        except (OSError, ValueError) as exc:  # a name too long, a NUL byte ...
+            found, what = False, f"cannot be read ({exc.__class__.__name__})"
+        if not found:
+            raise ValueError(f"model directory {value!r} {what} (want a save_pretrained "
+                             "directory: config.json, weights, tokenizer)")
+        return value
+
+    @property
+    def final_model_dir(self) -> Path:
+        """``final_dir``, or ``<run_dir>/final`` when it is unset."""
+        return Path(self.final_dir) if self.final_dir is not None else Path(self.run_dir) / "final"

@@ -54,10 +54,13 @@ def generate_completions(
     *,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
-    eos_id: int = EOS_ID,
+    eos_id: int | Sequence[int] = EOS_ID,
     pad_id: int = PAD_ID,
 ) -> Completions:
     """Decode a batch with a KV cache: greedy when ``temperature == 0``, else sampled.
+
+    A row stops at the first of the ``eos_id`` ids (one id or several: a chat
+    model's ``<|im_end|>`` and ``<|endoftext|>``), which is kept in its tokens.
 
     Prompts are left-padded; position ids count real tokens only, so the
     result matches ``compute_token_logprobs`` on the right-padded batch.
@@ -69,9 +72,11 @@ def generate_completions(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    eos_ids = [eos_id] if isinstance(eos_id, int) else [int(i) for i in eos_id]
     was_training = model.training
     model.eval()
     device = model_device(model)
+    eos_tensor = torch.tensor(eos_ids, dtype=torch.long, device=device)
     batch = len(prompt_ids)
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -105,7 +110,7 @@ def generate_completions(
         next_token = torch.where(done, torch.full_like(next_token, pad_id), next_token)
         tokens.append(next_token)
         token_logprobs.append(next_logprob)
-        done = done | (next_token == eos_id)
+        done = done | torch.isin(next_token, eos_tensor)
         if bool(done.all()):
             break
         step_input = next_token.unsqueeze(-1)
@@ -117,20 +122,23 @@ def generate_completions(
     token_matrix = torch.stack(tokens, 1).tolist()
     logprob_matrix = torch.stack(token_logprobs, 1).tolist()
     result = Completions(token_ids=[], logprobs=[], finished=[])
+    stops = set(eos_ids)
     for row_tokens, row_logprobs in zip(token_matrix, logprob_matrix):
-        n = row_tokens.index(eos_id) + 1 if eos_id in row_tokens else len(row_tokens)
+        n = next((i + 1 for i, tok in enumerate(row_tokens) if tok in stops), len(row_tokens))
         result.token_ids.append(row_tokens[:n])
         result.logprobs.append(row_logprobs[:n])
-        result.finished.append(eos_id in row_tokens)
+        result.finished.append(n <= len(row_tokens) and row_tokens[n - 1] in stops)
     return result
 
 
-def decode_completion(tokenizer: PreTrainedTokenizerFast, token_ids: Sequence[int]) -> str:
-    """Decode completion ids for scoring: a trailing ``<eos>`` is dropped, other
-    special tokens are kept as text (so a stray ``<pad>`` or ``<bos>`` inside an
-    answer makes it wrong instead of vanishing)."""
+def decode_completion(tokenizer: PreTrainedTokenizerFast, token_ids: Sequence[int],
+                      eos_ids: Sequence[int] | None = None) -> str:
+    """Decode completion ids for scoring: a trailing EOS (the tokenizer's, or any of
+    ``eos_ids``) is dropped, other special tokens are kept as text (so a stray
+    ``<pad>`` or ``<bos>`` inside an answer makes it wrong instead of vanishing)."""
     ids = list(token_ids)
-    if ids and ids[-1] == tokenizer.eos_token_id:
+    stops = set(eos_ids) if eos_ids is not None else {tokenizer.eos_token_id}
+    if ids and ids[-1] in stops:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False)
 

@@ -21,6 +21,13 @@ pickled):
   of a sharded model is a collective); rank 0 reports the accuracy.
 - ``STOP``: followers leave their loop.
 
+Precision: with ``dtype: bfloat16`` every ``fully_shard`` gets
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: the
+sharded parameters and the optimizer state stay float32 (the master weights),
+the all-gathered parameters of a forward/backward are bfloat16, gradients are
+reduced in float32. Gathers for publishing and checkpoints read the float32
+shards.
+
 Devices: ``cuda:<LOCAL_RANK>`` with NCCL when CUDA is there and
 ``device`` allows it, else CPU with gloo (this is how it is tested here). The
 commands always travel over gloo, on CPU tensors.
@@ -166,7 +173,8 @@ class DistContext:
         return groups[self.rank::self.world_size]
 
     def gather_for_publish(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Rank 0: the full weights (CPU) for a publish; the followers join the gather."""
+        """Rank 0: the full weights (CPU) for a publish or the final save; the followers
+        join the gather."""
         self.send_command(Command.GATHER)
         return self.full_model_state(model)
 
@@ -189,14 +197,19 @@ class DistContext:
 
     # -- model --------------------------------------------------------------------
 
-    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        """FSDP2: each decoder layer, then the root (the usual wrapping for causal LMs)."""
+    def shard(self, model: torch.nn.Module, dtype: str = "float32") -> torch.nn.Module:
+        """FSDP2: each decoder layer, then the root (the usual wrapping for causal LMs),
+        with the mixed-precision policy of a training ``dtype`` (see module docstring)."""
         from torch.distributed.fsdp import fully_shard
 
+        from .precision import mixed_precision_policy
+
+        policy = mixed_precision_policy(dtype)
+        kwargs = {"mp_policy": policy} if policy is not None else {}
         layers = getattr(getattr(model, "model", None), "layers", None)
         for layer in layers or ():
-            fully_shard(layer, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
+            fully_shard(layer, mesh=self.mesh, **kwargs)
+        fully_shard(model, mesh=self.mesh, **kwargs)
         return model
 
     def mean_over_ranks(self, loss: float, stats: dict[str, float]) -> tuple[float, dict]:

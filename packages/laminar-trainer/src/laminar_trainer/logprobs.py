@@ -57,12 +57,13 @@ def compute_token_logprobs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Log-probability of each token given its prefix, for right-padded rows.
 
     ``temperature`` divides the logits first, matching the rollout engines'
-    behaviour log-probs at the sampling temperature.
+    behaviour log-probs at the sampling temperature: one float for every row, or
+    a ``[B]`` tensor (each trajectory's own temperature).
 
     Returns:
         ``[B, T]``: entry ``t`` is ``log p(input_ids[:, t] | input_ids[:, :t])``;
@@ -70,6 +71,8 @@ def compute_token_logprobs(
         ``pack_sequences`` to select completion tokens.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(logits.device, torch.float32).view(-1, 1, 1)
     logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return F.pad(picked, (1, 0), value=0.0)

@@ -26,7 +26,13 @@ import torch
 
 from laminar_common.errors import LaminarError
 
-from .checkpoint import TrainerState, load_checkpoint, read_optimizer_state
+from .checkpoint import (
+    TrainerState,
+    checkpoint_paths,
+    load_checkpoint,
+    read_optimizer_state,
+    restore_rng,
+)
 from .config import TrainerConfig
 from .distributed import Command, DistContext, decode_groups, resolve_device
 from .step import make_optimizer, train_step
@@ -52,13 +58,16 @@ def build_training(cfg: TrainerConfig, ctx: DistContext | None,
                    weights: Path | None = None) -> Training:
     """Load ``cfg.model_dir`` on this rank's device (sharded with FSDP2 under torchrun).
 
-    ``weights``: take the model's weights from this directory instead (a
-    checkpoint about to be restored in one process, so it is read once).
+    The parameters are float32 whatever ``cfg.dtype`` says (the master weights;
+    bfloat16 is autocast in the step, and FSDP2's mixed-precision policy).
+
+    ``weights``: take the model's weights from this checkpoint instead (one
+    about to be restored in one process, so it is read once).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = ctx.device if ctx is not None else resolve_device(cfg.device)
-    source = Path(weights if weights is not None else cfg.model_dir)
+    source = Path(cfg.model_dir) if weights is None else _checkpoint_model(weights)
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).to(device)
     model.train()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
@@ -67,16 +76,25 @@ def build_training(cfg: TrainerConfig, ctx: DistContext | None,
         ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
         ref_model = ref_model.to(device).eval().requires_grad_(False)
     if ctx is not None:
-        model = ctx.shard(model)
+        model = ctx.shard(model, cfg.dtype)
         if ref_model is not None:
-            ref_model = ctx.shard(ref_model)
+            ref_model = ctx.shard(ref_model, cfg.dtype)
     optimizer, scheduler = make_optimizer(model, cfg.optim, cfg.total_steps)
     return Training(model, tokenizer, optimizer, scheduler, ref_model, device, source)
 
 
+def _checkpoint_model(ckpt: Path) -> Path:
+    model = checkpoint_paths(ckpt).model
+    if model is None:
+        raise LaminarError(f"checkpoint {ckpt} holds no model (written by a simulated "
+                           "training step)")
+    return model
+
+
 def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | None
                      ) -> TrainerState | None:
-    """Restore model, optimizer and schedule from ``ckpt`` (rank 0's choice on every rank).
+    """Restore model, optimizer, schedule and RNG from ``ckpt`` (rank 0's choice on
+    every rank; followers keep their own RNG).
 
     Returns the checkpoint's trainer state on rank 0 (None without a checkpoint,
     and on followers, which learn only the step).
@@ -84,12 +102,14 @@ def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | N
     if ctx is None:
         if ckpt is None:
             return None
-        if training.weights_from != Path(ckpt):
+        model_dir = _checkpoint_model(ckpt)
+        if training.weights_from != model_dir:
             from transformers import AutoModelForCausalLM
 
-            saved = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+            saved = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
             training.model.load_state_dict(saved.state_dict())
         state = load_checkpoint(ckpt, training.optimizer)
+        restore_rng(ckpt)
         _advance(training, state.step)
         return state
     state = load_checkpoint(ckpt, None) if ctx.is_main and ckpt is not None else None
@@ -102,8 +122,9 @@ def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | N
         from transformers import AutoModelForCausalLM
 
         model_state = AutoModelForCausalLM.from_pretrained(
-            str(ckpt), dtype=torch.float32).state_dict()
+            str(_checkpoint_model(ckpt)), dtype=torch.float32).state_dict()
         optim_state = read_optimizer_state(ckpt)
+        restore_rng(ckpt)
     ctx.load_full_state(training.model, training.optimizer, model_state, optim_state)
     _advance(training, step)
     return state
@@ -119,14 +140,17 @@ def _advance(training: Training, step: int) -> None:
             training.scheduler.step()
 
 
-def evaluate_records(training: Training, records: list[dict], max_new_tokens: int) -> float:
-    """Greedy held-out accuracy (every rank of a sharded model must call it alike)."""
-    from .decoding import evaluate_accuracy
+def evaluate_records(training: Training, records: list[dict], cfg: TrainerConfig):
+    """Held-out :class:`~laminar_trainer.evaluation.EvalResult` of ``records``
+    (see :mod:`laminar_trainer.evaluation`; every rank of a sharded model must
+    call it alike)."""
+    from .evaluation import evaluate
 
     training.model.eval()
     try:
         with torch.no_grad():
-            return evaluate_accuracy(training.model, training.tokenizer, records, max_new_tokens)
+            return evaluate(training.model, training.tokenizer, records, cfg.eval,
+                            model_dir=cfg.model_dir)
     finally:
         training.model.train()
 
@@ -155,7 +179,7 @@ def run_follower(cfg: TrainerConfig, ctx: DistContext) -> int:
             ctx.full_optimizer_state(training.model, training.optimizer)
         elif command == Command.EVAL:
             records = msgspec.msgpack.decode(payload, type=list[dict])
-            evaluate_records(training, records, arg)
+            evaluate_records(training, records, cfg)
         elif command == Command.STOP:
             log.info("rank %d: stop after %d steps", ctx.rank, steps)
             return 0

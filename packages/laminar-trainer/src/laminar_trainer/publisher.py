@@ -9,6 +9,11 @@ as ``weights/latest``); the relays spread it along the chain on their own.
 If a new snapshot arrives while one is still being sent, the queued one (not
 the in-flight one) is replaced: only the newest weights matter, and versions
 stay increasing.
+
+Before each send the sender waits for a relay master (``find_master``), saying
+so every ``log_every_s`` ("waiting for a relay master in job X (etcd ...)"),
+and polls the service's ``stop`` event meanwhile: a trainer whose job has no
+relay says why it does not go on, and a signal ends the wait at once.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from laminar_common.errors import LaminarError
 
 __all__ = ["WeightPublisher", "Snapshot", "snapshot_model", "snapshot_state", "torch_dtype_name"]
 
@@ -39,21 +47,32 @@ class Snapshot:
     taken_s: float
 
 
-def snapshot_model(model: torch.nn.Module, version: int, step: int) -> Snapshot:
-    """Copy every parameter to host memory (the stall the trainer pays)."""
-    return snapshot_state(model.state_dict(), version, step)
+def snapshot_model(model: torch.nn.Module, version: int, step: int,
+                   dtype: torch.dtype | None = None) -> Snapshot:
+    """Copy every parameter to host memory (the stall the trainer pays), its floating
+    tensors cast to ``dtype`` (on their device first: a bf16 snapshot moves half the
+    bytes)."""
+    return snapshot_state(model.state_dict(), version, step, dtype=dtype)
 
 
 def snapshot_state(state: dict[str, torch.Tensor], version: int, step: int,
-                   gathered_s: float = 0.0, copy: bool = True) -> Snapshot:
+                   gathered_s: float = 0.0, copy: bool = True,
+                   dtype: torch.dtype | None = None) -> Snapshot:
     """A snapshot of a state dict (host copies); ``gathered_s`` counts into its time
     (an FSDP trainer gathers the full state first). ``copy=False`` takes CPU tensors
-    as they are: only for a state nothing else holds or changes (a fresh gather)."""
+    as they are: only for a state nothing else holds or changes (a fresh gather).
+    ``dtype``: cast floating-point tensors to it (None: as they are); the manifest
+    carries each tensor's dtype."""
     t0 = time.perf_counter()
     tensors = []
     nbytes = 0
     for name, param in state.items():
-        host = param.detach().to("cpu", copy=copy).contiguous().reshape(-1)
+        param = param.detach()
+        if dtype is not None and param.is_floating_point() and param.dtype != dtype:
+            param = param.to(dtype)  # a new tensor: no second copy below
+            host = param.to("cpu").contiguous().reshape(-1)
+        else:
+            host = param.to("cpu", copy=copy).contiguous().reshape(-1)
         view = memoryview(host.view(torch.uint8).numpy()) if host.numel() else memoryview(b"")
         tensors.append((name, torch_dtype_name(param.dtype), tuple(param.shape), view))
         nbytes += view.nbytes
@@ -71,13 +90,34 @@ class PublishStats:
 
 
 class WeightPublisher:
-    """Owns one sender thread; ``publish_fn(version, tensors, step)`` does the send."""
+    """Owns one sender thread; ``publish_fn(version, tensors, step)`` does the send.
 
-    def __init__(self, publish_fn) -> None:
+    Args:
+        find_master: called before each send until it returns (e.g.
+            ``RelayClient.master``); a :class:`LaminarError` means no master yet.
+            None: send at once.
+        stop: the service's stop event: set, it ends a wait for a master and
+            :meth:`wait_idle` returns False at once.
+        waiting_for: where the master is looked for, for the log line
+            (``"job 'laminar' (etcd 127.0.0.1:2379)"``).
+        log_every_s: how often a wait for a master is logged.
+        poll_s: how often a wait looks for a master (and at ``stop``).
+    """
+
+    def __init__(self, publish_fn, *, find_master: Callable[[], object] | None = None,
+                 stop: threading.Event | None = None, waiting_for: str = "this job",
+                 log_every_s: float = 10.0, poll_s: float = 0.5) -> None:
         self._publish_fn = publish_fn
+        self._find_master = find_master
+        self._stop = stop if stop is not None else threading.Event()
+        self._waiting_for = waiting_for
+        self._log_every_s = log_every_s
+        self._poll_s = poll_s
         self._cond = threading.Condition()
         self._pending: Snapshot | None = None
         self._busy = False
+        self._waiting = False
+        """The sender is waiting for a master (nothing of the version sent yet)."""
         self._closed = False
         self.stats = PublishStats()
         self._thread = threading.Thread(target=self._run, name="weight-publisher", daemon=True)
@@ -103,8 +143,12 @@ class WeightPublisher:
                     return
                 snap, self._pending = self._pending, None
                 self._busy = True
-            t0 = time.perf_counter()
             try:
+                if not self._wait_for_master(snap.version):
+                    with self._cond:  # stopped (the service closes): the version stays unsent
+                        self._pending = self._pending or snap
+                    return
+                t0 = time.perf_counter()
                 self._publish_fn(snap.version, snap.tensors, snap.step)
                 self.stats.published += 1
                 self.stats.last_version = snap.version
@@ -119,10 +163,49 @@ class WeightPublisher:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _wait_for_master(self, version: int) -> bool:
+        """Until ``find_master`` answers (True) or ``stop`` is set (False); logs the wait."""
+        if self._find_master is None:
+            return True
+        t0 = time.monotonic()
+        next_log = t0
+        self._waiting = True
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._find_master()
+                except LaminarError as exc:
+                    problem = exc
+                else:
+                    if next_log > t0:
+                        log.info("relay master found after %.0fs; publishing weights v%d",
+                                 time.monotonic() - t0, version)
+                    return True
+                now = time.monotonic()
+                if now >= next_log:
+                    log.warning("waiting for a relay master in %s to publish weights v%d "
+                                "(%.0fs so far): %s", self._waiting_for, version, now - t0,
+                                problem)
+                    next_log = now + self._log_every_s
+                self._stop.wait(self._poll_s)
+            return False
+        finally:
+            self._waiting = False
+
     def wait_idle(self, timeout_s: float) -> bool:
+        """Until nothing is queued or being sent (True), or ``timeout_s`` passes (False).
+
+        With ``stop`` set, returns False at once unless a send is under way: a wait
+        for a master is not worth a stop's time, a version half sent is."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy,
-                                       timeout=timeout_s)
+            while self._pending is not None or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set() and (
+                        self._waiting or not self._thread.is_alive()):
+                    return False
+                self._cond.wait(min(left, self._poll_s))
+            return True
 
     def close(self, timeout_s: float = 60.0) -> None:
         self.wait_idle(timeout_s)

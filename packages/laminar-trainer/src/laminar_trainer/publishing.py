@@ -50,12 +50,9 @@ def publish_state_dict(client: RelayClient, state_dict: Mapping[str, torch.Tenso
         TransportError: no master relay took the version in time.
         ValueError: an empty state dict, or a tensor the relay cannot carry.
     """
-    if dtype is not None:
-        state_dict = {name: t.to(dtype) if t.is_floating_point() else t
-                      for name, t in state_dict.items()}
     # A blocking publish reads CPU tensors in place (nothing changes them meanwhile); a
-    # background one needs its own copy.
-    snap = snapshot_state(dict(state_dict), version, step, copy=not wait)
+    # background one needs its own copy (a cast tensor is one already).
+    snap = snapshot_state(dict(state_dict), version, step, copy=not wait, dtype=dtype)
     if wait:
         return client.publish(version, snap.tensors, trainer_step=step)
     return client.publish_async(version, snap.tensors, trainer_step=step)

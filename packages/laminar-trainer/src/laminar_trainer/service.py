@@ -51,10 +51,17 @@ from laminar_common.status import StatusWriter
 from laminar_common.transport import PullReceiver, PushSender, make_pull_receiver, make_push_sender
 
 from .buffer import Added, ConsumedIds, ExperienceBuffer, Group
-from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_model_dir,
+)
 from .config import TrainerConfig
 from .distributed import Command, DistContext
 from .policy import Training, build_training, evaluate_records, restore_training
+from .precision import torch_dtype
 from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
 from .step import StepResult, train_step
 from .tracking import MultiTracker, make_trackers
@@ -123,6 +130,10 @@ class TrainerService(Service):
         self._train_s = 0.0
         self.eval_before: float | None = None
         self.eval_after: float | None = None
+        self.eval_last: dict[str, float] = {}
+        """Every metric of the latest eval (accuracy, pass@k, length, truncation)."""
+        self._eval_records: list[dict] | None = None
+        self._uniform_steps = 0
         self.finished = threading.Event()
 
     # -- lifecycle --------------------------------------------------------------
@@ -294,9 +305,10 @@ class TrainerService(Service):
             t0 = time.perf_counter()
             full = self.dist.gather_for_publish(self.model)  # fresh CPU copies already
             return snapshot_state(full, self.version, self.step, time.perf_counter() - t0,
-                                  copy=False)
+                                  copy=False, dtype=torch_dtype(self.config.publish_dtype))
         if self.model is not None:
-            return snapshot_model(self.model, self.version, self.step)
+            return snapshot_model(self.model, self.version, self.step,
+                                  dtype=torch_dtype(self.config.publish_dtype))
         t0 = time.perf_counter()
         blob = memoryview(bytes(self.config.simulate.weight_bytes))
         return Snapshot(self.version, self.step, [("simulated.weights", "uint8", (blob.nbytes,),
@@ -315,7 +327,8 @@ class TrainerService(Service):
             msg = self.receiver.recv(timeout_s=0.1)
             if msg is None:
                 continue
-            invalid = check_trajectory(msg, self._vocab_size, self.version)
+            invalid = check_trajectory(msg, self._vocab_size, self.version,
+                                       self.config.temperature)
             known = self.buffer.known(msg) if invalid is None or \
                 invalid.reason != "bad-group" else None
             if known is Added.CONSUMED:
@@ -388,8 +401,9 @@ class TrainerService(Service):
         cfg = self.config
         if cfg.eval.prompts and self.model is not None and self.step == 0:
             self.eval_before = self._evaluate()
-            self._track({"eval_accuracy": self.eval_before})
-            print(f"EVAL before step 0: held-out accuracy {self.eval_before:.3f}", flush=True)
+            self._track(self.eval_last)
+            print(f"EVAL before step 0: held-out accuracy {self.eval_before:.3f}"
+                  f"{self._pass_text()}", flush=True)
         while self.step < cfg.total_steps and not self.stopping.is_set():
             t0 = time.monotonic()
             while not self.buffer.wait_ready(cfg.batch_groups, timeout_s=0.2):
@@ -497,7 +511,8 @@ class TrainerService(Service):
         cfg = self.config
         if cfg.eval.prompts and cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 \
                 and self.model is not None:
-            metrics["eval_accuracy"] = self._evaluate()
+            self._evaluate()
+            metrics.update(self.eval_last)
 
     def _report_step(self, metrics: dict, result: StepResult, stall: float) -> None:
         """metrics.jsonl, trackers, the etcd status (in the background) and the log."""
@@ -509,6 +524,22 @@ class TrainerService(Service):
                  self.step, self.version, result.loss, result.reward_mean,
                  metrics["staleness_mean"], metrics["tokens_per_s"], stall)
         print(f"STEP {self.step} v{self.version} reward={result.reward_mean:.3f}", flush=True)
+        self._warn_if_uniform(metrics)
+
+    def _warn_if_uniform(self, metrics: dict) -> None:
+        """Every group of the step scored the same: zero advantages, nothing learned.
+        Logged at the first such step and every 10th in a row (a wrong answer key or a
+        failing reward looks exactly like this)."""
+        if metrics.get("uniform_group_fraction", 0.0) < 1.0:
+            self._uniform_steps = 0
+            return
+        self._uniform_steps += 1
+        if self._uniform_steps % 10 == 1:
+            log.warning("step %d: every group scored the same (reward mean %.3f, %d steps in "
+                        "a row): zero advantages, the step learns nothing; check the reward, "
+                        "the data's answer_key, and reward_errors (%d so far)", self.step,
+                        metrics["reward_mean"], self._uniform_steps,
+                        self.buffer.stats.reward_errors)
 
     def _put_status(self, metrics: dict) -> None:
         """A small snapshot for `laminar status` (once per step, never per trajectory),
@@ -642,22 +673,44 @@ class TrainerService(Service):
             self._acker.close(linger_s=0)
             self._acker = None
 
-    def _evaluate(self) -> float:
-        from laminar_common.jsonl import read_jsonl
+    def _pass_text(self) -> str:
+        k = self.config.eval.samples
+        value = self.eval_last.get(f"eval_pass_at_{k}")
+        return f", pass@{k} {value:.3f}" if value is not None else ""
 
-        records = read_jsonl(self.config.eval.prompts)[: self.config.eval.limit]
-        budget = self.config.eval.max_new_tokens
+    def _evaluate(self) -> float:
+        """Held-out eval; returns the greedy accuracy, tracks every eval metric."""
+        from .evaluation import load_eval_records
+
+        if self._eval_records is None:
+            self._eval_records = load_eval_records(self.config.eval)
+        records = self._eval_records
         if self.dist is not None:
-            self.dist.send_eval(records, budget)
-        return evaluate_records(self.training, records, budget)
+            self.dist.send_eval(records, self.config.eval.max_new_tokens)
+        result = evaluate_records(self.training, records, self.config)
+        self.eval_last = result.metrics()
+        return result.accuracy
+
+    def _save_final(self) -> Path | None:
+        """The trained model as a Hugging Face directory (``final_dir``, default
+        ``<run_dir>/final``), with or without checkpoints; None for a simulated step."""
+        if self.model is None:
+            return None
+        full = self.dist.gather_for_publish(self.model) if self.dist is not None else None
+        path = save_model_dir(self.config.final_model_dir, self.model, self.tokenizer,
+                              state_dict=full)
+        log.info("final model of step %d saved in %s", self.step, path)
+        return path
 
     def _finish(self) -> None:
         cfg = self.config
         self.publisher.wait_idle(timeout_s=300)
+        final = self._save_final()
         if cfg.eval.prompts and self.model is not None:
             self.eval_after = self._evaluate()
-            self._track({"eval_accuracy": self.eval_after})
-            print(f"EVAL after step {self.step}: held-out accuracy {self.eval_after:.3f}",
+            self._track(self.eval_last)
+            print(f"EVAL after step {self.step}: held-out accuracy {self.eval_after:.3f}"
+                  f"{self._pass_text()}",
                   flush=True)
         summary = self.summary()
         self._track(summary, prefix="summary/")
@@ -665,6 +718,7 @@ class TrainerService(Service):
         # tracker_errors counts every failure, logging the summary included.
         self.trackers.close()
         summary["tracker_errors"] = self.trackers.errors
+        summary["final_model"] = str(final) if final is not None else None
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print("TRAINER DONE " + json.dumps(summary, sort_keys=True), flush=True)
         self.finished.set()

@@ -6,6 +6,12 @@ lines up the behaviour log-probs the workers recorded, and applies
 ``compute_policy_loss`` with group-normalised advantages (scaled by each
 group's buffer weight), an optional KL to the reference model, gradient
 accumulation over micro-batches of groups, and global-norm clipping.
+
+Precision (``cfg.dtype``): the forwards and backward run under
+``laminar_trainer.precision.autocast`` (bfloat16 mixed precision, or nothing
+for float32); the parameters, their gradients and the optimizer state stay
+float32, and log-probs are computed in float32 from the logits, so the loss,
+the gradient norm and the non-finite guard are float32 in both modes.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 from .buffer import Group
 from .logprobs import compute_token_logprobs, model_device, pack_sequences
 from .loss import compute_grpo_advantages, compute_kl_penalty, compute_policy_loss
+from .precision import autocast
 
 __all__ = ["StepResult", "make_optimizer", "train_step"]
 
@@ -89,15 +96,19 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
             old[row, cols] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
         input_ids, attn, comp_mask = input_ids.to(device), attn.to(device), comp_mask.to(device)
         old, adv = old.to(device), adv.to(device)
-        logprobs = compute_token_logprobs(model, input_ids, attn, cfg.temperature)
+        # Each trajectory's own sampling temperature (validation refused any that
+        # differ from a temperature fixed in the trainer's config).
+        temps = torch.tensor([t.sampling.temperature for t in trajs], dtype=torch.float32)
+        with autocast(device, cfg.dtype):
+            logprobs = compute_token_logprobs(model, input_ids, attn, temps)
         loss, stats = compute_policy_loss(
             logprobs, old, adv[:, None].expand_as(logprobs), comp_mask,
             clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high,
             correction=cfg.loss.correction, tis_cap=cfg.loss.tis_cap,
             aggregation=cfg.loss.aggregation)
         if ref_model is not None and cfg.loss.kl_coef > 0:
-            with torch.no_grad():
-                ref = compute_token_logprobs(ref_model, input_ids, attn, cfg.temperature)
+            with torch.no_grad(), autocast(device, cfg.dtype):
+                ref = compute_token_logprobs(ref_model, input_ids, attn, temps)
             kl = compute_kl_penalty(logprobs, ref, comp_mask, aggregation=cfg.loss.aggregation)
             loss = loss + cfg.loss.kl_coef * kl
             stats["kl"] = float(kl)
@@ -121,6 +132,10 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
         optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     stats_sum["skipped_nonfinite"] = 0.0 if finite else 1.0
+    # A group whose samples all scored the same has zero advantage: it teaches nothing.
+    uniform = sum(1 for g in groups
+                  if len({t.reward for t in g.trajectories()}) <= 1)
+    stats_sum["uniform_group_fraction"] = uniform / len(groups) if groups else 0.0
     stats_sum["grad_norm"] = float(grad_norm)
     stats_sum["lr"] = scheduler.get_last_lr()[0]
     return StepResult(loss_sum, sum(t.reward for t in trajs_all) / len(trajs_all), total_tokens,

@@ -93,7 +93,7 @@ def make_engine_from_config(config: EngineConfig) -> GenerationEngine:
         torch.set_num_threads(config.threads)
         return make_engine("torch", model=config.model_dir, max_batch=config.max_batch,
                            context_length=config.context_length, device=config.device,
-                           seed=config.seed)
+                           seed=config.seed, dtype=getattr(torch, config.dtype))
     if config.type == "simulated":
         return make_engine(
             "simulated", max_batch=config.max_batch, kv_capacity_tokens=config.kv_capacity_tokens,

@@ -21,6 +21,11 @@ How a step runs:
    ``TorchEngine`` with the same model shape) skips the prefill: its cache is
    copied into the slot and it decodes from its last resumed token.
 
+Precision: the model and its KV cache are in the model's dtype (``dtype``
+when loading from a directory, e.g. bfloat16); logits are cast to float32
+before sampling, so log-probs are float32; weights arriving in another
+floating dtype are cast on load.
+
 Finished sequences free their slot within the step, so the next queued
 request starts in the same step. The engine never lets weights change under an
 unfinished request.
@@ -107,7 +112,9 @@ class TorchEngine(GenerationEngine):
             from the model's generation config, ``()`` disables EOS.
         seed: Seed of the generator used by requests without their own seed.
         device: Move the model here; ``None`` keeps it where it is.
-        dtype: Dtype when loading from a directory (ignored for a model object).
+        dtype: Dtype when loading from a directory (ignored for a model object);
+            ``None`` takes config.json's. Weights loaded later are cast into the
+            model's dtype; sampling and log-probs are float32 whatever it is.
 
     Raises:
         EngineError: the model cannot be loaded or is not supported.
@@ -335,13 +342,16 @@ class TorchEngine(GenerationEngine):
         """Copy named tensors into the model's parameters, then adopt ``version``.
 
         ``named_tensors`` may cover a subset of the parameters (tied names such
-        as ``lm_head.weight`` are accepted). Tensors are checked and copied as
-        they stream in; if one is rejected the weights are left partially
-        updated, so the engine refuses requests until a later load succeeds.
+        as ``lm_head.weight`` are accepted). Floating-point tensors in another
+        floating dtype than the model's (a trainer publishing bfloat16 to a
+        float32 engine, or the reverse) are cast as they are copied. Tensors are
+        checked and copied as they stream in; if one is rejected the weights are
+        left partially updated, so the engine refuses requests until a later
+        load succeeds.
 
         Raises:
             EngineError: busy engine, version not newer, no tensors, or a name,
-                shape or dtype that does not match the model.
+                shape or dtype kind (floating vs not) that does not match the model.
         """
         check_load_weights_allowed(self, version)
         if named_tensors is None:
@@ -365,12 +375,14 @@ class TorchEngine(GenerationEngine):
                         f"weights v{version}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                         f"the model expects {tuple(target.shape)}"
                     )
-                if tensor.dtype != target.dtype:
+                if tensor.dtype != target.dtype and not (
+                    tensor.is_floating_point() and target.is_floating_point()
+                ):
                     raise EngineError(
                         f"weights v{version}: tensor {name!r} has dtype {tensor.dtype}, "
                         f"the model expects {target.dtype}"
                     )
-                target.copy_(tensor)
+                target.copy_(tensor)  # casts to the model's dtype (and device)
                 loaded += 1
         if loaded == 0:
             raise EngineError(f"weights v{version}: no tensors were given")

@@ -1,0 +1,97 @@
+"""``laminar-trainer export``: a checkpoint's model as a clean Hugging Face directory.
+
+The source is a checkpoint root (its ``LATEST``), one ``step-N`` checkpoint
+(this layout or the earlier flat one), or a model directory (the trainer's
+``final`` one, a warm start). The output holds the weights in safetensors in
+the asked dtype (config.json's ``dtype`` says the same), config.json,
+generation_config.json and the tokenizer (tokenizer.json, tokenizer_config.json
+with the chat template when the source has one); never optimizer or trainer
+state. It is written beside ``out`` and renamed into place, so a failed export
+leaves no partial directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from laminar_common.errors import LaminarError
+
+from .checkpoint import checkpoint_paths, latest_checkpoint
+
+__all__ = ["export_model", "resolve_model_dir"]
+
+
+def resolve_model_dir(source: str | os.PathLike[str]) -> Path:
+    """The model directory of ``source`` (see module docstring).
+
+    Raises:
+        LaminarError: ``source`` is none of those, or a checkpoint without a model
+            (a simulated training step's); the message names the path.
+    """
+    path = Path(source)
+    if not path.is_dir():
+        raise LaminarError(f"{path} does not exist or is not a directory")
+    if (path / "LATEST").is_file():
+        ckpt = latest_checkpoint(path)
+        assert ckpt is not None
+        path = ckpt
+    if (path / "config.json").is_file() and not (path / "trainer.json").is_file():
+        return path
+    try:
+        model = checkpoint_paths(path).model
+    except LaminarError as exc:
+        raise LaminarError(f"{path} is neither a checkpoint nor a model directory (no "
+                           "config.json, no trainer_state/)") from exc
+    if model is None:
+        raise LaminarError(f"checkpoint {path} holds no model (a simulated training step)")
+    return model
+
+
+def export_model(source: str | os.PathLike[str], out: str | os.PathLike[str],
+                 dtype: str = "bfloat16", *, force: bool = False) -> Path:
+    """Write the model of ``source`` to ``out`` in ``dtype``; returns ``out``.
+
+    Args:
+        dtype: ``float32``, ``bfloat16`` or ``float16`` (or ``fp32``, ``bf16``, ``fp16``).
+        force: replace an existing non-empty ``out``.
+
+    Raises:
+        LaminarError: a bad source (see :func:`resolve_model_dir`), ``out`` exists
+            and is not empty (without ``force``), ``out`` is or holds the source, or
+            the model cannot be loaded.
+        ValueError: an unknown dtype.
+    """
+    from .precision import torch_dtype
+
+    want = torch_dtype(dtype)
+    model_dir = resolve_model_dir(source)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise LaminarError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise LaminarError(f"output directory {out} exists and is not empty "
+                           "(--force replaces it)")
+    here, there = model_dir.resolve(), out.resolve()
+    if here == there or there in here.parents:
+        raise LaminarError(f"output directory {out} is or holds the source {model_dir}")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=want,
+                                                     local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise LaminarError(f"cannot load the model in {model_dir}: {exc}") from exc
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".export-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    # The chat template in tokenizer_config.json, where every loader finds it.
+    tokenizer.save_pretrained(tmp, save_jinja_files=False)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
