@@ -241,3 +241,34 @@ def test_a_torn_summary_is_named(run, capsys):
 def test_a_dir_without_metrics_is_not_a_trainer_run(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "has no metrics.jsonl: is it a trainer run_dir?" in capsys.readouterr().err
+
+
+def test_since_leaves_out_an_earlier_launchs_files(run):
+    """`laminar up` reads only what its launch wrote: an older metrics file is refused
+    (naming when it was written), older rows, summary and worker stats are left out."""
+    import os
+
+    run_dir, _ = run
+    launch = T0 + 1_000.0
+    for path in run_dir.iterdir():
+        os.utime(path, (T0 + 10, T0 + 10))
+    with pytest.raises(LaminarError, match=r"metrics\.jsonl is an earlier launch's \(last "
+                                           r"written .*\): the trainer wrote no step"):
+        load_metrics(run_dir, since=launch)
+    # The trainer of this launch wrote two steps (no summary yet) after the old four.
+    with open(run_dir / "metrics.jsonl", "a") as fh:
+        for step in (1, 2):
+            fh.write(json.dumps({"step": step, "version": step, "time": launch + step,
+                                 "reward_mean": 0.75, "tokens_per_s": 3.0, "step_s": 0.5,
+                                 "wait_s": 0.5}) + "\n")
+    rows, summary = load_metrics(run_dir, since=launch)
+    assert [r["time"] for r in rows] == [launch + 1, launch + 2] and summary == {}
+    assert summarize(rows, summary).splitlines()[0] == "steps: 2 (weight version 2)"
+    assert find_worker_stats(run_dir, since=launch) == []
+    assert len(find_worker_stats(run_dir)) == 2
+    assert len(load_metrics(run_dir)[0]) == 6  # `laminar report` reads everything
+
+
+def test_since_without_a_metrics_file_says_no_step_was_written(tmp_path):
+    with pytest.raises(LaminarError, match="the trainer wrote no step in this launch"):
+        load_metrics(tmp_path, since=T0)

@@ -97,7 +97,7 @@ class ChainConfig(LaminarModel):
 class RelayConfig(LaminarModel):
     """Everything ``laminar-relay serve`` needs."""
 
-    job: str = "default"
+    job: str = "laminar"
     """Job name: relays, trainer and rollouts of one job share it (etcd prefix)."""
     member_id: str | None = None
     """This relay's id in etcd (default: ``relay-<hostname>-<pid>``)."""

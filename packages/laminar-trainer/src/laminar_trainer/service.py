@@ -150,15 +150,19 @@ class TrainerService(Service):
         if self.coordinator is None:
             self.coordinator = make_coordinator(cfg.etcd, cfg.job)
         self.status = StatusWriter(self.coordinator, "trainer status")
+        find_master = None
         if self.publish_fn is None:
             from laminar_common.auth import TlsFiles
             from laminar_common.relay.client import RelayClient
 
             tls = TlsFiles.client_from_dir(cfg.auth.dir) if cfg.auth.dir else None
             client = RelayClient(self.coordinator, client_id=cfg.trainer_id, tls=tls)
+            find_master = client.master
             self.publish_fn = lambda version, tensors, step: client.publish(
                 version, tensors, trainer_step=step)
-        self.publisher = WeightPublisher(self.publish_fn)
+        self.publisher = WeightPublisher(
+            self.publish_fn, find_master=find_master, stop=self.stopping,
+            waiting_for=f"job {cfg.job!r} (etcd {', '.join(cfg.etcd.endpoints)})")
         self._load()
         latest = self.coordinator.latest_version()
         published = -1 if latest is None else latest.version
@@ -167,6 +171,8 @@ class TrainerService(Service):
             # versions only move forward, and workers must leave rolled-back weights.
             self.version = max(self.version, published) + 1
         self._publish(initial=True)
+        if self.stopping.is_set():
+            return  # a signal while waiting for a relay master: run_forever closes at once
         self.receiver = make_pull_receiver(cfg.listen, expect=Trajectory, auth=self._curve)
         extra = {Extra.STEP: str(self.step), Extra.VERSION: str(self.version), Extra.READY: "1"}
         if cfg.metrics.port is not None:

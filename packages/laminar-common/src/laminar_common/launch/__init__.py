@@ -3,7 +3,8 @@
 Owns what runs a job rather than what a job is made of: the ``laminar`` CLI
 (:mod:`.cli`) and what every tier's CLI shares (:mod:`.clitools`), the job
 file (:mod:`.jobfile`), the local and Ray launchers (:mod:`.local`,
-:mod:`.ray_backend`), a local etcd (:mod:`.local_etcd`),
+:mod:`.ray_backend`), checking every tier's config before a launch
+(:mod:`.preflight`), a launch's run dir (:mod:`.rundir`), a local etcd (:mod:`.local_etcd`),
 child processes and their readiness (:mod:`.processes`), run reports
 (:mod:`.report`), the demo's synthetic tasks (:mod:`.tasks`) and a bare
 member for membership demos (:mod:`.member`, :mod:`.demo`). No tier imports
@@ -19,6 +20,7 @@ _EXPORTS = {
     "LocalLauncher": "local", "run_job": "up",
     "LocalEtcd": "local_etcd", "find_etcd_binary": "local_etcd", "free_port": "local_etcd",
     "ChildProcess": "processes",
+    "RunDir": "rundir",
 }
 
 __all__ = list(_EXPORTS)

@@ -20,9 +20,11 @@ Shell completion (bash; ``zsh_source`` and ``fish_source`` likewise)::
 
     eval "$(_LAMINAR_COMPLETE=bash_source laminar)"
 
-Exit codes: 0 success, 1 a run failed, 2 bad arguments or a
-:class:`~laminar_common.errors.LaminarError` (printed as one line,
-``laminar CMD: error: ...``).
+Exit codes: 0 success, 1 a run failed (``laminar up``: a tier failed or
+exited early; its log's tail is printed), 2 bad arguments, an invalid job
+file or tier config, or another :class:`~laminar_common.errors.LaminarError`
+(printed as ``laminar CMD: error: ...``); ``laminar up`` also 124 (the job's
+``timeout_s``) and 130 (interrupted).
 """
 
 from __future__ import annotations
@@ -126,7 +128,10 @@ def demo(members: int, ttl: int) -> int:
     return run_demo(members, ttl)
 
 
-@cli.command(help="Start a whole stack from a job file (YAML or TOML).")
+@cli.command(help="Start a whole stack from a job file (YAML or TOML): check every tier's "
+                  "config, set up, start etcd and the tiers; a tier that exits early stops "
+                  "the stack. Each launch is a new run in the job's run_dir.",
+             short_help="Start a whole stack from a job file (YAML or TOML).")
 @click.argument("job", type=click.Path())
 @_overrides("job-file")
 @_option("--backend", type=click.Choice(["local", "ray"]), default="local",

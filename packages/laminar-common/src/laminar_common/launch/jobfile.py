@@ -47,6 +47,11 @@ class TierSpec(LaminarModel):
     """Config field set to the replica name (e.g. worker_id) when replicas > 1."""
     args: tuple[str, ...] = ()
     """Extra CLI arguments."""
+    check: tuple[str, ...] | None = None
+    """Arguments that make ``command`` validate its config and exit (0: valid) instead of
+    running; ``laminar up`` runs every replica so before it sets up or starts anything.
+    None: Laminar's own tiers' flag (``--print-config``; the relay's ``--check``), no check
+    for other commands; []: no check."""
     ready: str | None = None
     """Role whose etcd member records say this tier is up (``extra.ready``, e.g.
     ``manager``): the next tier starts once every replica of this one registered

@@ -32,6 +32,21 @@ mix is a :class:`ConfigError` naming the tiers. It starts after the set-up
 commands, so a set-up step may write the keys (``laminar keys --etcd --out
 {run_dir}/keys``).
 
+Order of a launch: (1) lock the run dir and check every tier replica's
+config with the tier's own check (:mod:`laminar_common.launch.preflight`,
+``--print-config``; parallel, well under a second a tier here) — a failure
+names the tier, its config file and the tier's error text and ends the
+launch with nothing started; (2) make the run dir this launch's
+(:mod:`laminar_common.launch.rundir`: ``launch.json``, fresh ``logs/`` and
+etcd data); (3) the set-up commands, then the checks a set-up product was
+missing for, again; (4) etcd; (5) the tiers, in order.
+
+A tier process that exits while the job runs (any replica of another tier,
+or a ``wait_for`` replica with a non-zero code) ends the launch: its name,
+exit code and the last lines of its log are printed, the rest of the stack
+is stopped and ``run`` returns 1. The report (``report``) reads only what
+this launch wrote.
+
 Invariants: children are stopped (SIGTERM, then SIGKILL) in reverse start
 order on exit, failure or Ctrl-C — only the pids this launcher started.
 """
@@ -51,24 +66,36 @@ import yaml
 
 from laminar_common.auth import ETCD_CA, ETCD_TLS_FIELDS, etcd_tls_for
 from laminar_common.errors import ConfigError, LaminarError
+from laminar_common.launch import preflight
 from laminar_common.launch.jobfile import JobFile, TierSpec, fill_placeholders
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.launch.processes import ChildProcess
 from laminar_common.launch.readiness import wait_ready
+from laminar_common.launch.rundir import RunDir
 
-__all__ = ["LocalLauncher"]
+__all__ = ["LocalLauncher", "TAIL_LINES"]
 
 log = logging.getLogger(__name__)
+
+TAIL_LINES = 40
+"""Lines of a tier's log printed when it exits early."""
+
+_UNSTARTED_ETCD = "127.0.0.1:2379"
+"""The endpoint tier configs are checked with before the embedded etcd has its port."""
 
 
 class LocalLauncher:
     """Runs a :class:`JobFile` as local subprocesses."""
 
-    def __init__(self, job: JobFile, echo: bool = True) -> None:
+    def __init__(self, job: JobFile, echo: bool = True, job_file: str | None = None) -> None:
         self.job = job
+        self.job_file = job_file
         self.run_dir = Path(fill_placeholders(job.run_dir, {"job": job.job}))
         self.subs = {"run_dir": str(self.run_dir), "job": job.job}
+        self.launch = RunDir(self.run_dir)
         self.children: list[ChildProcess] = []
+        self.tier_children: list[tuple[str, ChildProcess]] = []
+        """(tier, process) of every tier replica started, in start order."""
         self.etcd: LocalEtcd | None = None
         self._coord = None
         self.endpoints: list[str] = list(job.etcd.endpoints)
@@ -77,6 +104,8 @@ class LocalLauncher:
         if job.wait_for not in job.tiers:
             raise ConfigError(f"wait_for: {job.wait_for!r} is not one of the tiers "
                               f"({', '.join(job.tiers)})")
+        if not job.etcd.embedded and not job.etcd.endpoints:
+            raise ConfigError("etcd: set embedded: true or give endpoints")
 
     def _say(self, text: str) -> None:
         if self.echo:
@@ -148,7 +177,8 @@ class LocalLauncher:
             argv = fill_placeholders(list(cmd), self.subs)
             self._say("setup: " + shlex.join(argv))
             t0 = time.monotonic()
-            child = ChildProcess(f"setup-{i}", _resolve(argv), str(logs / f"setup-{i}.log"))
+            child = ChildProcess(f"setup-{i}", _resolve(argv), str(logs / f"setup-{i}.log"),
+                                 append=False)
             self.children.append(child)
             while child.alive():
                 if self._stop.wait(0.2):
@@ -173,10 +203,15 @@ class LocalLauncher:
         return name, subs, fill_placeholders(dict(spec.config), subs)
 
     def replica_argv(self, tier: str, spec: TierSpec, index: int) -> tuple[str, list[str]]:
+        """Write a replica's config file (``<run_dir>/configs/<name>.yaml``); its name and argv.
+
+        Before etcd starts, an embedded etcd's endpoint is a placeholder
+        (:data:`_UNSTARTED_ETCD`); the tiers are started with the real one.
+        """
         name, subs, config = self._replica(tier, spec, index)
         config["job"] = self.job.job
         etcd = dict(config.get("etcd", {}))
-        etcd.setdefault("endpoints", self.endpoints)
+        etcd.setdefault("endpoints", self.endpoints or [_UNSTARTED_ETCD])
         etcd.setdefault("ttl_s", self.job.etcd.ttl_s)
         config["etcd"] = etcd
         if spec.id_field:
@@ -189,6 +224,78 @@ class LocalLauncher:
             fill_placeholders(list(spec.args), subs)
         return name, argv
 
+    def tier_checks(self) -> tuple[list[preflight.TierCheck], list[str]]:
+        """Every replica's config check, and the tiers that have none (``check``)."""
+        checks, unchecked = [], []
+        for tier, spec in self.job.tiers.items():
+            flag = spec.check if spec.check is not None else \
+                preflight.default_check_args(spec.command)
+            if not flag:
+                unchecked.append(tier)
+                continue
+            for i in range(self.replica_count(spec)):
+                name, argv = self.replica_argv(tier, spec, i)
+                config_path = argv[argv.index("--config") + 1]
+                shown = shlex.join([*spec.command, "--config", config_path,
+                                    *argv[len(_resolve(list(spec.command))) + 2:], *flag])
+                checks.append(preflight.TierCheck(tier, name, config_path,
+                                                  (*argv, *flag), shown))
+        return checks, unchecked
+
+    def check_configs(self) -> list[preflight.TierCheck]:
+        """Check every tier replica's config with the tier's own check, before the set-up.
+
+        Returns:
+            The checks deferred to after the set-up (every line of their error
+            names a path a set-up command names; see :mod:`.preflight`).
+
+        Raises:
+            ConfigError: a check failed; the message names the tier, its config
+                file and the tier's error text.
+        """
+        for old in (self.run_dir / "configs").glob("*.yaml"):
+            old.unlink()  # a replica of an earlier launch's job file
+        t0 = time.monotonic()
+        checks, unchecked = self.tier_checks()
+        failures = preflight.run_checks(checks, stop=self._stop)
+        paths = preflight.setup_paths(
+            (fill_placeholders(list(cmd), self.subs) for cmd in self.job.setup), self.run_dir)
+        deferred = [f for f in failures if preflight.is_deferred(f.text, paths)]
+        preflight.raise_for([f for f in failures if f not in deferred],
+                            self.job_file or "the job file")
+        note = "" if not deferred else \
+            f" ({', '.join(f.check.replica for f in deferred)} again after the set-up, " \
+            "which writes what they lack)"
+        if unchecked:
+            note += f"; not checked: {', '.join(unchecked)} (no check for their command)"
+        self._say(f"checked {len(checks) - len(deferred)} tier config(s) in "
+                  f"{time.monotonic() - t0:.1f}s{note}")
+        return [f.check for f in deferred]
+
+    def recheck_configs(self, checks: list[preflight.TierCheck]) -> None:
+        """The checks deferred by :meth:`check_configs`, after the set-up.
+
+        Raises:
+            ConfigError: one still fails.
+        """
+        if not checks:
+            return
+        preflight.raise_for(preflight.run_checks(checks, stop=self._stop),
+                            self.job_file or "the job file", after_setup=True)
+        self._say(f"checked {len(checks)} tier config(s) after the set-up")
+
+    def prepare(self, check: bool = True) -> None:
+        """Everything before the tiers: lock, config checks, launch stamp, set-up, etcd."""
+        self.launch.lock()
+        deferred = self.check_configs() if check else []
+        self.launch.begin(self.job.job, self.job_file,
+                          self.job.etcd.embedded and not self.job.etcd.endpoints)
+        self._say(f"launch {self.launch.launch_id} in {self.run_dir} "
+                  f"(logs in {self.run_dir / 'logs'})")
+        self.run_setup()
+        self.recheck_configs(deferred)
+        self.start_etcd()
+
     def start_tiers(self) -> dict[str, list[ChildProcess]]:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -198,13 +305,35 @@ class LocalLauncher:
             t0 = time.time()
             for i in range(self.replica_count(spec)):
                 name, argv = self.replica_argv(tier, spec, i)
-                child = ChildProcess(name, argv, str(logs / f"{name}.log"))
+                child = ChildProcess(name, argv, str(logs / f"{name}.log"), append=False)
                 self.children.append(child)
+                self.tier_children.append((tier, child))
                 started[tier].append(child)
                 self._say(f"started {name} (pid {child.pid}): {shlex.join(argv)}")
             if spec.ready:
                 self.wait_ready(spec.ready, started[tier], t0)
         return started
+
+    def exited_early(self) -> ChildProcess | None:
+        """The first tier replica that ended while the job runs, if any.
+
+        That is any replica of a tier other than ``wait_for`` that exited, or a
+        ``wait_for`` replica that exited with a non-zero code.
+        """
+        for tier, child in self.tier_children:
+            code = child.proc.poll()
+            if code is not None and (tier != self.job.wait_for or code != 0):
+                return child
+        return None
+
+    def say_exited(self, child: ChildProcess, how: str) -> None:
+        """Print that ``child`` exited (``how``), its exit code and its log's last lines."""
+        tail = child.tail(TAIL_LINES)
+        self._say(f"{child.name} {how} with exit code {child.proc.returncode} "
+                  f"(pid {child.pid}); last {len(tail)} lines of {child.log_path}:")
+        if self.echo:
+            print("\n".join(f"    {child.name}| {line}" for line in tail) or "    (no output)",
+                  flush=True)
 
     def _coordinator(self):
         """A read-only etcd client for readiness (TLS as the tiers use it)."""
@@ -222,8 +351,13 @@ class LocalLauncher:
 
     def wait_ready(self, role: str, children: list[ChildProcess], since: float) -> None:
         """Wait until ``children`` (one tier's replicas) registered ready as ``role``."""
-        wait_ready(self._coordinator(), role, count=len(children), timeout_s=300,
-                   newer_than=since, alive=lambda: all(c.alive() for c in children))
+        try:
+            wait_ready(self._coordinator(), role, count=len(children), timeout_s=300,
+                       newer_than=since, alive=lambda: self.exited_early() is None)
+        except LaminarError as exc:
+            if self.exited_early() is not None:
+                raise  # run() names the process that exited
+            raise LaminarError(f"{exc}; see {', '.join(c.log_path for c in children)}") from exc
         self._say(f"{len(children)} {role} ready")
 
     def stop_all(self) -> None:
@@ -238,14 +372,28 @@ class LocalLauncher:
             self.etcd.stop()
 
     def run(self) -> int:
-        """Start everything, wait for ``wait_for`` to exit, stop everything."""
+        """Check, set up and start everything, wait for ``wait_for`` to exit, stop everything.
+
+        Returns:
+            0: every ``wait_for`` replica exited with 0; 1: a tier exited early
+            (see :meth:`exited_early`); 124: ``timeout_s`` passed; 130: interrupted.
+
+        Raises:
+            ConfigError: a tier config check failed (nothing was started).
+            LaminarError: the run dir is in use, a set-up command failed, or a
+                tier did not get ready.
+        """
         previous = {s: signal.signal(s, lambda *_: self._stop.set())
                     for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.run_setup()
-            self.start_etcd()
-            started = self.start_tiers()
+            self.prepare()
+            try:
+                started = self.start_tiers()
+            except LaminarError:
+                failed = self.exited_early()
+                if failed is None:
+                    raise
+                return self._stop_for(failed)
             target = started[self.job.wait_for]
             deadline = time.monotonic() + self.job.timeout_s
             seen = 0
@@ -260,26 +408,39 @@ class LocalLauncher:
                     if line.startswith(("STEP", "EVAL")):
                         self._say(f"{target[0].name}: {line}")
                 seen = len(target[0].lines)
-                for child in self.children:
-                    if child not in target and not child.alive() and child.proc.returncode:
-                        self._say(f"{child.name} exited with {child.proc.returncode}; "
-                                  f"see {child.log_path}")
-            for line in target[0].lines[seen:]:
+                failed = self.exited_early()
+                if failed is not None:
+                    return self._stop_for(failed)
+            for line in target[0].tail(None)[seen:]:
                 if line.startswith(("STEP", "EVAL", "TRAINER DONE")):
                     self._say(f"{target[0].name}: {line[:300]}")
             codes = [c.proc.wait() for c in target]
+            for child in target:
+                if child.proc.returncode != 0:
+                    self.say_exited(child, "failed")
             self._say(f"{self.job.wait_for} exited with {codes}")
-            return max(codes, key=abs)
+            return 0 if not any(codes) else 1
         finally:
             self.stop_all()
+            self.launch.release()
             for s, h in previous.items():
                 signal.signal(s, h)
             # After the stop: workers write their timelines (stats_path) on exit.
-            if self.job.report:
+            if self.job.report and self.tier_children:
                 self._report(fill_placeholders(self.job.report, self.subs))
 
+    def _stop_for(self, child: ChildProcess) -> int:
+        """Report ``child``'s early exit; the caller's ``finally`` stops the rest."""
+        if any(c is child for tier, c in self.tier_children if tier == self.job.wait_for):
+            self.say_exited(child, "failed")
+            self._say(f"{child.name} failed: stopping the rest of the stack")
+        else:
+            self.say_exited(child, "exited early")
+            self._say(f"{child.name} ended before the job did: stopping the rest of the stack")
+        return 1
 
     def _report(self, run_dir: str) -> None:
+        """This launch's metrics in ``run_dir`` as a summary and plots (none: says why)."""
         from laminar_common.launch.report import (
             find_worker_stats,
             load_metrics,
@@ -287,14 +448,18 @@ class LocalLauncher:
             write_plots,
         )
 
+        since = self.launch.started_at
         try:
-            rows, summary = load_metrics(run_dir)
+            rows, summary = load_metrics(run_dir, since=since)
         except LaminarError as exc:
             self._say(f"no report: {exc}")
             return
         print(summarize(rows, summary), flush=True)
-        plots = write_plots(rows, summary, run_dir, workers=find_worker_stats(run_dir))
-        self._say(f"metrics: {run_dir}/metrics.jsonl; summary: {run_dir}/summary.json")
+        plots = write_plots(rows, summary, run_dir,
+                            workers=find_worker_stats(run_dir, since=since))
+        self._say(f"metrics: {run_dir}/metrics.jsonl"
+                  + (f"; summary: {run_dir}/summary.json" if summary else
+                     " (no summary.json from this launch: the run did not finish)"))
         self._say("plot: " + (", ".join(map(str, plots)) if plots else
                               "none (pip install matplotlib to plot)"))
 

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class MemberConfig(LaminarModel):
     """Config of ``laminar member``."""
 
-    job: str = "demo"
+    job: str = "laminar"
     """Job name: all keys live under /laminar/<job>/."""
     member_id: str = Field(default_factory=lambda: f"member-{socket.gethostname()}")
     """This member's id, unique in the job."""

@@ -1,8 +1,9 @@
 """Child processes started by Laminar itself (demo, ``laminar up``, tests).
 
 Owns starting a command with its output teed to a log file, waiting for a
-line on it with a deadline, and stopping it — only the pid it started
-(SIGTERM, then SIGKILL after a grace period).
+line on it with a deadline, the tail of its output once it has exited, and
+stopping it — only the pid it started (SIGTERM, then SIGKILL after a grace
+period).
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ __all__ = ["ChildProcess"]
 
 
 class ChildProcess:
-    """A subprocess whose output lines are kept and written to ``log_path``."""
+    """A subprocess whose output lines are kept and written to ``log_path``.
+
+    ``append=False`` starts the log file afresh instead of adding to it.
+    """
 
     def __init__(self, name: str, cmd: Sequence[str], log_path: str,
-                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: str | None = None,
+                 append: bool = True) -> None:
         self.name = name
         self.cmd = list(cmd)
         self.log_path = log_path
@@ -33,7 +38,7 @@ class ChildProcess:
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
-        self._log = open(log_path, "a", buffering=1)
+        self._log = open(log_path, "a" if append else "w", buffering=1)
         self.started_at = time.time()
         """Wall time just before the process started (a member record it writes is newer)."""
         self.proc = subprocess.Popen(
@@ -82,6 +87,14 @@ class ChildProcess:
                         + "\n".join(self.lines[-20:])
                     )
                 self._cond.wait(min(left, 0.5))
+
+    def tail(self, n: int | None = 40) -> list[str]:
+        """The last ``n`` output lines (None: all); once the process has exited, up to
+        its last line."""
+        if self.proc.poll() is not None:
+            self._reader.join(timeout=5)
+        with self._cond:
+            return list(self.lines) if n is None else self.lines[-n:] if n > 0 else []
 
     def alive(self) -> bool:
         return self.proc.poll() is None

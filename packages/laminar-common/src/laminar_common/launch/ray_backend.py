@@ -20,6 +20,12 @@ etcd: the embedded etcd listens on this machine's loopback, which is right
 for a single-node Ray; a multi-node cluster needs ``etcd.endpoints`` that
 every node can reach. It serves TLS exactly as with the local backend (the
 tiers' ``auth.dir``; see :mod:`laminar_common.launch.local`).
+
+Before anything starts, the tier configs are checked on this machine as with
+the local backend, except with ``--ray-address`` (the tiers run on the
+cluster's nodes, whose paths and environment may differ): then the tiers
+check their own configs when they start. The run dir is this launch's and the
+report reads only its metrics, as with the local backend.
 """
 
 from __future__ import annotations
@@ -86,8 +92,8 @@ class RayLauncher(LocalLauncher):
     """Runs a :class:`JobFile` on a Ray cluster (``address``) or a local Ray."""
 
     def __init__(self, job: JobFile, address: str | None = None, num_cpus: int | None = None,
-                 echo: bool = True) -> None:
-        super().__init__(job, echo)
+                 echo: bool = True, job_file: str | None = None) -> None:
+        super().__init__(job, echo, job_file)
         try:
             import ray
         except ImportError as exc:
@@ -152,9 +158,10 @@ class RayLauncher(LocalLauncher):
         previous = {s: signal.signal(s, lambda *_: self._stop.set())
                     for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.run_setup()
-            self.start_etcd()
+            if self.address is not None:
+                self._say("tier configs not checked here: the tiers run on the Ray cluster's "
+                          "nodes, whose files and environment may differ from this machine's")
+            self.prepare(check=self.address is None)
             started = self.start_tiers()
             target = started[self.job.wait_for][0]
             spec = self.job.tiers[self.job.wait_for]
@@ -197,9 +204,10 @@ class RayLauncher(LocalLauncher):
                     actor.fail_if_crashed.remote()
         finally:
             self.stop_all()
+            self.launch.release()
             for s, h in previous.items():
                 signal.signal(s, h)
-            if self.job.report:
+            if self.job.report and self.actors:
                 self._report(fill_placeholders(self.job.report, self.subs))
 
     def stop_all(self) -> None:
@@ -214,6 +222,7 @@ class RayLauncher(LocalLauncher):
         super().stop_all()
 
 
-def run_on_ray(job: JobFile, address: str | None, num_cpus: int | None) -> int:
-    return RayLauncher(job, address, num_cpus).run()
+def run_on_ray(job: JobFile, address: str | None, num_cpus: int | None,
+               job_file: str | None = None) -> int:
+    return RayLauncher(job, address, num_cpus, job_file=job_file).run()
 

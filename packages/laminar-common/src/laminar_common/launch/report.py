@@ -1,7 +1,9 @@
 """``laminar report RUN_DIR``: a run's metrics as a short text summary and PNG plots.
 
 Reads ``metrics.jsonl`` (one object per trainer step) and ``summary.json``
-written by the trainer. Plots need matplotlib (``laminar-common[report]``);
+written by the trainer; given ``since`` (``laminar up``: the launch's start),
+only what was written since then, so a launch never reports an earlier
+launch's run. Plots need matplotlib (``laminar-common[report]``);
 without it only the text is produced, and the output says so. A file that is
 not what the trainer writes (a torn line, a row without a field the report
 uses) is a :class:`LaminarError` naming the file and line, never a traceback.
@@ -10,6 +12,7 @@ uses) is a :class:`LaminarError` naming the file and line, never a traceback.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from laminar_common.errors import LaminarError
@@ -35,23 +38,41 @@ def _checked(value: object, fields: tuple[str, ...], where: str) -> dict:
     return value
 
 
-def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def load_metrics(run_dir: str | Path, since: float | None = None) -> tuple[list[dict], dict]:
     """The rows of ``metrics.jsonl`` and ``summary.json`` (``{}`` until the run ends).
 
+    Args:
+        since: wall time; only rows of steps that ended at or after it, and
+            ``summary.json`` only if written since (None: everything).
+
     Raises:
-        LaminarError: no ``metrics.jsonl``, or a line / file that is not valid
+        LaminarError: no ``metrics.jsonl`` (or none written since ``since``:
+            the message says when it was), or a line / file that is not valid
             JSON or lacks a field the report uses (named as ``path:line``).
     """
     run = Path(run_dir)
     path = run / "metrics.jsonl"
     if not path.is_file():
-        raise LaminarError(f"{run} has no metrics.jsonl: is it a trainer run_dir?")
+        raise LaminarError(f"{run} has no metrics.jsonl: is it a trainer run_dir?"
+                           if since is None else
+                           f"{run} has no metrics.jsonl: the trainer wrote no step in this launch")
+    written = path.stat().st_mtime
+    if since is not None and written < since:
+        raise LaminarError(f"{path} is an earlier launch's (last written {_when(written)}, "
+                           f"before this launch began at {_when(since)}): the trainer wrote "
+                           "no step in this launch")
     rows = []
     for where, row in iter_jsonl(path):
-        rows.append(_checked(row, _ROW_FIELDS, where))
+        row = _checked(row, _ROW_FIELDS, where)
+        if since is None or row["time"] >= since:
+            rows.append(row)
     summary_path = run / "summary.json"
     summary: dict = {}
-    if summary_path.is_file():
+    if summary_path.is_file() and (since is None or summary_path.stat().st_mtime >= since):
         try:
             summary = json.loads(summary_path.read_text())
         except json.JSONDecodeError as exc:
@@ -86,11 +107,14 @@ def summarize(rows: list[dict], summary: dict) -> str:
     return "\n".join(lines)
 
 
-def find_worker_stats(run_dir: str | Path) -> list[dict]:
-    """Worker stats files (``stats_path``) in ``run_dir`` or its parent, sorted by worker."""
+def find_worker_stats(run_dir: str | Path, since: float | None = None) -> list[dict]:
+    """Worker stats files (``stats_path``) in ``run_dir`` or its parent, sorted by worker;
+    given ``since``, only those written since then."""
     out = []
     for d in (Path(run_dir), Path(run_dir).parent):
         for p in sorted(d.glob("*.stats.json")):
+            if since is not None and p.stat().st_mtime < since:
+                continue
             try:
                 out.append(json.loads(p.read_text()))
             except (OSError, json.JSONDecodeError) as exc:

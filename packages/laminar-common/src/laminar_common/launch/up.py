@@ -17,9 +17,9 @@ def run_job(path: str, overrides: list[str] = (), backend: str = "local",
     if backend == "ray":
         from laminar_common.launch.ray_backend import run_on_ray  # ray is an optional extra
 
-        return run_on_ray(job, ray_address, num_cpus)
+        return run_on_ray(job, ray_address, num_cpus, job_file=str(path))
     if backend != "local":
         raise ConfigError(f"backend {backend!r}: use local or ray")
     from laminar_common.launch.local import LocalLauncher
 
-    return LocalLauncher(job).run()
+    return LocalLauncher(job, job_file=str(path)).run()
