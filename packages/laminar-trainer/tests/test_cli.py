@@ -27,7 +27,9 @@ def _option_envvars(command_name: str) -> dict[str, str]:
 
 
 def test_the_commands_and_their_options_are_those_of_before():
-    assert sorted(cli.commands) == ["export", "run", "warmstart"]
+    assert sorted(cli.commands) == ["export", "run", "warmstart", "warmstart-chat"]
+    assert set(_option_envvars("warmstart-chat")) == {
+        "--out", "--steps", "--difficulty", "--demo-error-rate", "--seed", "--force"}
     assert set(_option_envvars("export")) == {"--out", "--dtype", "--force"}
     assert set(_option_envvars("run")) == {"--config", "--resume", "--print-config"}
     assert set(_option_envvars("warmstart")) == {

@@ -144,6 +144,46 @@ def warmstart(out: str, task: str, steps: int | None, difficulty: tuple[str, ...
     return 0
 
 
+@cli.command("warmstart-chat",
+             short_help="build, warm-start and save the math example's chat model",
+             help="Build a small Qwen2-shaped chat model (BPE tokenizer, ChatML template), "
+                  "warm-start it on arithmetic word problems and save it (save_pretrained).")
+@_option("--out", required=True, type=click.Path(), help="output directory (save_pretrained)")
+@_option("--steps", type=int, default=None, help="supervised steps (default 300)")
+@_option("--difficulty", multiple=True, metavar="KEY=INT",
+         help="problem difficulty override, e.g. max_value=9 (repeatable)")
+@_option("--demo-error-rate", type=float, default=0.0,
+         help="fraction of demonstrations making the problem's plausible reasoning mistake")
+@_option("--seed", type=int, default=0, help="seed")
+@_option("--force", is_flag=True, help="rebuild even if --out holds a model")
+def warmstart_chat(out: str, steps: int | None, difficulty: tuple[str, ...],
+                   demo_error_rate: float, seed: int, force: bool) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from laminar_common.launch.math_tasks import parse_math_difficulty
+
+    from .chat_warmstart import DEFAULT_CHAT_STEPS, warm_start_chat
+
+    out_dir = Path(out)
+    if (out_dir / "warm_start.json").is_file() and not force:
+        print(f"warm start: {out_dir} already holds a model "
+              f"({(out_dir / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
+        return 0
+    torch.set_num_threads(2)
+    try:
+        result = warm_start_chat(
+            out_dir, steps=steps if steps is not None else DEFAULT_CHAT_STEPS, seed=seed,
+            difficulty=parse_math_difficulty(list(difficulty)), demo_error_rate=demo_error_rate)
+    except ValueError as exc:
+        print(f"laminar-trainer warmstart-chat: {exc}", file=sys.stderr)
+        return 2
+    print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
+                                       if isinstance(v, (int, float, str))}))
+    return 0
+
+
 @cli.command(short_help="export a checkpoint's model as a Hugging Face directory",
              help="Export the model of a checkpoint (CHECKPOINT: a checkpoint.dir, one "
                   "step-N checkpoint in it, or a model directory such as the final one) as "
