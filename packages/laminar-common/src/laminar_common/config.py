@@ -27,6 +27,7 @@ from laminar_common.errors import ConfigError
 
 __all__ = [
     "LaminarModel",
+    "check_model_dir",
     "EtcdConfig",
     "LoggingConfig",
     "MetricsConfig",
@@ -41,6 +42,21 @@ __all__ = [
 ENV_PREFIX = "LAMINAR_"
 M = TypeVar("M", bound="LaminarModel")
 
+
+
+def check_model_dir(value: str) -> str:
+    """A model directory must exist and hold config.json when a config loads (a typo
+    fails there, naming the field, not later as a Hugging Face "repo id" error). For a
+    pydantic ``field_validator``: raises ValueError, returns ``value``."""
+    try:
+        found = (Path(value) / "config.json").is_file()
+        what = "holds no config.json" if Path(value).is_dir() else "does not exist"
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte ...
+        found, what = False, f"cannot be read ({exc.__class__.__name__})"
+    if not found:
+        raise ValueError(f"model directory {value!r} {what} (want a save_pretrained "
+                         "directory: config.json, weights, tokenizer)")
+    return value
 
 class LaminarModel(BaseModel):
     """Base of every config model: immutable, and unknown keys are errors."""

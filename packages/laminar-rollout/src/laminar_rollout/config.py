@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import socket
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
@@ -20,6 +19,7 @@ from laminar_common.config import (
     LaminarModel,
     LoggingConfig,
     MetricsConfig,
+    check_model_dir,
 )
 from laminar_common.data.records import DataConfig
 
@@ -37,20 +37,6 @@ __all__ = [
 ]
 
 Mode = Literal["sync", "one-step", "laminar"]
-
-
-def _check_model_dir(value: str) -> str:
-    """A model directory must exist and hold config.json when the config loads (a typo
-    fails there, naming the field, not when the engine loads)."""
-    try:
-        found = (Path(value) / "config.json").is_file()
-        what = "holds no config.json" if Path(value).is_dir() else "does not exist"
-    except (OSError, ValueError) as exc:  # a name too long, a NUL byte ...
-        found, what = False, f"cannot be read ({exc.__class__.__name__})"
-    if not found:
-        raise ValueError(f"model directory {value!r} {what} (want a save_pretrained "
-                         "directory: config.json, weights, tokenizer)")
-    return value
 
 
 class TorchEngineConfig(LaminarModel):
@@ -73,7 +59,7 @@ class TorchEngineConfig(LaminarModel):
     seed: int = 0
     """Sampling seed of the engine."""
 
-    _model_dir_exists = field_validator("model_dir")(_check_model_dir)
+    _model_dir_exists = field_validator("model_dir")(check_model_dir)
 
 
 class SimulatedEngineConfig(LaminarModel):
@@ -118,7 +104,7 @@ class VllmEngineConfig(LaminarModel):
     seed: int = 0
     """Sampling seed."""
 
-    _model_dir_exists = field_validator("model_dir")(_check_model_dir)
+    _model_dir_exists = field_validator("model_dir")(check_model_dir)
 
 
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")

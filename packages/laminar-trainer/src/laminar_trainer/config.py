@@ -14,6 +14,7 @@ from laminar_common.config import (
     LaminarModel,
     LoggingConfig,
     MetricsConfig,
+    check_model_dir,
 )
 from laminar_common.data.records import DataConfig
 
@@ -229,17 +230,7 @@ class TrainerConfig(LaminarModel):
     def _model_dir_exists(cls, value: str | None) -> str | None:
         # Here, not when the model loads: a typo fails at once (and --print-config shows
         # it) with this field's path, not later as a Hugging Face "repo id" error.
-        if value is None:
-            return value
-        try:
-            found = (Path(value) / "config.json").is_file()
-            what = "holds no config.json" if Path(value).is_dir() else "does not exist"
-        except (OSError, ValueError) as exc:  # a name too long, a NUL byte ...
-            found, what = False, f"cannot be read ({exc.__class__.__name__})"
-        if not found:
-            raise ValueError(f"model directory {value!r} {what} (want a save_pretrained "
-                             "directory: config.json, weights, tokenizer)")
-        return value
+        return value if value is None else check_model_dir(value)
 
     @property
     def final_model_dir(self) -> Path:
