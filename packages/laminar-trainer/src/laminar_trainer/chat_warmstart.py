@@ -44,7 +44,8 @@ from .chat_model import (
     save_chat_model,
 )
 from .decoding import generate_completions
-from .logprobs import compute_token_logprobs, pack_sequences
+from .logprobs import pack_sequences
+from .warmstart import supervised_update
 
 __all__ = [
     "ChatExample",
@@ -154,14 +155,8 @@ def train_chat_supervised(
         chunk = [encoded[(start + i) % len(encoded)] for i in range(batch_size)]
         input_ids, attention_mask, target_mask = pack_sequences(
             [p for p, _ in chunk], [a for _, a in chunk], pad_id=int(tokenizer.pad_token_id))
-        logprobs = compute_token_logprobs(model, input_ids, attention_mask)
-        loss = -(logprobs * target_mask).sum() / target_mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
+        losses.append(supervised_update(model, optimizer, scheduler, input_ids, attention_mask,
+                                        target_mask))
     return losses
 
 

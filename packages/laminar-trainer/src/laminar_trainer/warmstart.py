@@ -52,6 +52,20 @@ DEFAULT_WARM_START_BATCH = 64
 DEFAULT_CHECK_EVERY = 5
 
 
+def supervised_update(model: PreTrainedModel, optimizer, scheduler, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, target_mask: torch.Tensor) -> float:
+    """One teacher-forced update: mean NLL over ``target_mask`` tokens, grad-norm clip 1.0,
+    optimizer and schedule step; returns the loss."""
+    logprobs = compute_token_logprobs(model, input_ids, attention_mask)
+    loss = -(logprobs * target_mask).sum() / target_mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    return loss.item()
+
+
 def train_supervised(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
@@ -101,14 +115,8 @@ def train_supervised(
             [*tokenizer(r["answer"], add_special_tokens=False)["input_ids"], EOS_ID] for r in chunk
         ]
         input_ids, attention_mask, target_mask = pack_sequences(prompt_ids, answer_ids)
-        logprobs = compute_token_logprobs(model, input_ids, attention_mask)
-        loss = -(logprobs * target_mask).sum() / target_mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
+        losses.append(supervised_update(model, optimizer, scheduler, input_ids, attention_mask,
+                                        target_mask))
         done = step + 1
         if should_stop is not None and done % check_every == 0:
             stop = should_stop(done)
