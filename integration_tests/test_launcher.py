@@ -164,8 +164,11 @@ def test_laminar_up_serves_embedded_etcd_over_mutual_tls_from_auth_dir(tmp_path)
         status = _laminar("status", "--etcd", endpoint, "--job", "simtls",
                           "--auth-dir", str(keys))
         assert status.returncode == 0, status.stderr
-        assert re.search(r"^  trainer\s+trainer\s.* ready=yes$", status.stdout, re.M), status.stdout
-        assert re.search(r"^  worker\s+worker-1\s.* ready=yes$", status.stdout, re.M), status.stdout
+        # No tier serves /metrics here (metrics.port unset): `metrics=-`.
+        assert re.search(r"^  trainer\s+trainer\s.* ready=yes metrics=-$", status.stdout, re.M), \
+            status.stdout
+        assert re.search(r"^  worker\s+worker-1\s.* ready=yes metrics=-$", status.stdout, re.M), \
+            status.stdout
         assert re.search(r"^trainer: step \d+/60 ", status.stdout, re.M), status.stdout
         # etcd was up all along: the refusal above was TLS, not a stopped server.
         assert "trainer" in client.members()

@@ -4,6 +4,7 @@ and fuzzed frames sent to a running stack are refused, counted, and harmless."""
 from __future__ import annotations
 
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +41,14 @@ def test_every_tier_serves_metrics_during_a_run(tmp_path):
         members = coord.members()
         urls = {m.member_id: m.extra["metrics"] for m in members.values()}
         assert set(urls) == {"relay-0", "manager", "worker-0", "worker-1", "trainer"}
+        # `laminar status` lists the same URLs (metrics.host is loopback: as advertised).
+        status = subprocess.run([sys.executable, "-m", "laminar_common.launch.cli", "status",
+                                 "--etcd", endpoint["etcd"]["endpoints"][0], "--job", "metrics"],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        listed = {line.split()[1]: line.split()[-1] for line in status.stdout.splitlines()
+                  if line.startswith("  ") and " metrics=" in line}
+        assert listed == {member: f"metrics={url}" for member, url in urls.items()}, status.stdout
         scraped = {}
 
         def all_moving():

@@ -15,6 +15,8 @@ from laminar_common.config import load_config
 from laminar_common.jsonl import read_jsonl
 from laminar_common.launch.cli import cli, main
 from laminar_common.launch.member import MemberConfig
+from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd, MemberRecord, VersionRecord
+from laminar_common.roles import Extra, Role
 from laminar_common.testing import clear_laminar_env, option_envvars
 
 REPO = Path(__file__).resolve().parents[3]
@@ -135,6 +137,44 @@ def test_usage_errors_exit_2(capsys):
     assert main(["demo", "--members", "three"]) == 2
     assert main(["no-such-command"]) == 2
     assert main([]) == 2
+
+
+def test_status_lists_each_members_metrics_url(monkeypatch, capsys):
+    """Over the in-memory etcd twin: a member's advertised /metrics URL is printed as one
+    to scrape from elsewhere (a wildcard interface becomes the member's host), ``-``
+    for a member without one."""
+    store = InMemoryEtcd()
+    advertised = {"trainer": "http://127.0.0.1:9100/metrics",
+                  "worker-0": "http://0.0.0.0:9101/metrics",
+                  "manager": "http://:::9102/metrics",  # MetricsServer on host "::"
+                  "relay-0": "http://::1:9103/metrics"}
+    roles = {"trainer": Role.TRAINER, "worker-0": Role.WORKER, "manager": Role.MANAGER,
+             "relay-0": Role.RELAY, "worker-1": Role.WORKER}
+    members = []
+    for member_id, role in roles.items():
+        extra = {Extra.READY: "1"}
+        if member_id in advertised:
+            extra[Extra.METRICS] = advertised[member_id]
+        coord = InMemoryCoordinator(store, "j", keepalive=False)
+        coord.register(MemberRecord(member_id=member_id, role=role, host=f"{member_id}.lan",
+                                    extra=extra))
+        members.append(coord)
+    members[0].publish_version(VersionRecord(version=3))
+    monkeypatch.setattr("laminar_common.etcd.EtcdCoordinator",
+                        lambda endpoints, job, **kw: InMemoryCoordinator(store, job))
+    monkeypatch.setattr("laminar_common.logs.setup_logging", lambda *a, **k: None)
+    assert main(["status", "--job", "j"]) == 0
+    out = capsys.readouterr().out
+    assert "job j: latest weight version 3" in out
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("  ")}
+    assert set(lines) == set(roles)
+    assert lines["trainer"].endswith(" ready=yes metrics=http://127.0.0.1:9100/metrics")
+    assert lines["worker-0"].endswith(" ready=yes metrics=http://worker-0.lan:9101/metrics")
+    assert lines["manager"].endswith(" ready=yes metrics=http://manager.lan:9102/metrics")
+    assert lines["relay-0"].endswith(" ready=yes metrics=http://[::1]:9103/metrics")
+    assert lines["worker-1"].endswith(" ready=yes metrics=-")
+    for coord in members:
+        coord.close()
 
 
 def test_no_option_env_var_is_read_as_a_config_field():

@@ -20,7 +20,13 @@ import pytest
 
 from laminar_common.errors import LaminarError
 from laminar_common.launch.cli import main
-from laminar_common.launch.report import busy_in_window, find_worker_stats, load_metrics, summarize
+from laminar_common.launch.report import (
+    busy_in_window,
+    find_worker_stats,
+    load_metrics,
+    plot_report,
+    summarize,
+)
 
 T0 = 1_700_000_000.0
 """Wall time of the first step's start of waiting (the trainer's ``_t_first_step``)."""
@@ -128,6 +134,8 @@ def test_summary_text_shows_the_run_numbers(run):
     assert text.splitlines() == [
         "steps: 4 (weight version 4)",
         "train reward: first step 0.250, last step 1.000",
+        "last step: loss 0.125, grad norm 1.5",
+        "last step KL: reference 0.04",
         "held-out accuracy: before 0.125, after 0.500 (+37.5 points)",
         f"throughput: {expected['tokens_consumed'] / expected['elapsed']:.1f} trajectory "
         f"tokens/s consumed ({expected['tokens_consumed']} tokens)",
@@ -149,7 +157,8 @@ def test_summary_before_the_run_ends_has_only_the_rows(run):
     rows, summary = load_metrics(run_dir)
     assert summary == {}
     assert summarize(rows, summary).splitlines() == [
-        "steps: 4 (weight version 4)", "train reward: first step 0.250, last step 1.000"]
+        "steps: 4 (weight version 4)", "train reward: first step 0.250, last step 1.000",
+        "last step: loss 0.125, grad norm 1.5", "last step KL: reference 0.04"]
 
 
 def test_worker_timelines_are_found_sorted_and_measured_in_the_trainer_window(run):
@@ -193,10 +202,141 @@ def test_cli_prints_the_summary_and_writes_valid_plots(run, capsys):
     assert f"({expected['tokens_consumed']} tokens)" in out
     report, timeline = run_dir / "report.png", run_dir / "timeline.png"
     assert f"plots: {report}, {timeline}" in out
-    # figsize (14, 3.8) at 100 dpi; the timeline is 12 inches wide at 90 dpi.
-    assert _png_size(report) == (1400, 380)
+    # figsize (20, 8) at 100 dpi; the timeline is 12 inches wide at 90 dpi.
+    assert _png_size(report) == (2000, 800)
     assert _png_size(timeline)[0] == 1080
     assert report.stat().st_size > 20_000 and timeline.stat().st_size > 5_000
+
+
+def _add_training_figures(run_dir: Path, sources: tuple[str, ...] = ("gsm8k", "math")) -> None:
+    """Give every metrics row the trainer's optional per-step figures (the run already has
+    ``loss``, ``grad_norm`` and ``kl``); source ``i`` of ``reward_by_source`` gets
+    ``reward_mean / (i + 1)``."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        s = row["step"]
+        row.update({
+            "grad_norm_max": 2.0 + s, "entropy": 1.0 - 0.1 * s,
+            "clip_fraction": 0.05 * s, "clip_fraction_low": 0.02 * s,
+            "clip_fraction_high": 0.03 * s, "behaviour_kl": 0.001 * s, "proximal_kl": 0.002 * s,
+            "is_weight_mean": 1.0, "is_weight_max": 1.5, "is_truncated_fraction": 0.0,
+            "response_length_mean": 10.0 + s, "response_length_max": 14, "truncation_rate": 0.25,
+            "reward_by_source": {src: row["reward_mean"] / (i + 1) for i, src in enumerate(sources)},
+            "groups_filtered": 0, "updates": 2,
+        })
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+PANELS = ["reward", "trajectory tokens/s consumed", "staleness at consume", "loss and grad norm",
+          "KL (approx.)", "clip fraction", "mean token entropy", "response length (tokens)"]
+
+
+def _panels(fig) -> dict:
+    """The report's panels by title (twin axes have none), laid out for reading ticks."""
+    fig.draw_without_rendering()
+    return {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+
+
+def _no_data(ax) -> bool:
+    return [t.get_text() for t in ax.texts] == ["no data"]
+
+
+def _labels(ax) -> list[str]:
+    return [line.get_label() for line in ax.get_lines()]
+
+
+def test_the_training_figures_have_a_panel_each_in_one_grid(run):
+    pytest.importorskip("matplotlib")
+    run_dir, _ = run
+    _add_training_figures(run_dir)
+    rows, summary = load_metrics(run_dir)
+    fig = plot_report(rows, summary)
+    panels = _panels(fig)
+    assert list(panels) == PANELS
+    # 2 x 4 panels, plus the twin axes of grad norm and of truncation rate.
+    assert len(fig.axes) == 10
+    assert [ax.get_subplotspec().get_geometry()[:2] for ax in panels.values()] == [(2, 4)] * 8
+    assert not any(_no_data(ax) for ax in panels.values())
+    assert _labels(panels["reward"]) == ["train reward", "train reward: gsm8k",
+                                         "train reward: math", "held-out accuracy"]
+    math_line = panels["reward"].get_lines()[2]
+    assert list(math_line.get_ydata()) == [r["reward_mean"] / 2 for r in rows]
+    assert _labels(panels["KL (approx.)"]) == ["behaviour || proximal", "trained || proximal",
+                                               "to reference"]
+    assert _labels(panels["clip fraction"]) == ["total", "low", "high"]
+    legend = panels["loss and grad norm"].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["loss", "grad norm", "grad norm max"]
+    legend = panels["response length (tokens)"].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["mean", "max", "truncation rate"]
+    twins = [ax for ax in fig.axes if not ax.get_title()]
+    assert [ax.get_ylabel() for ax in twins] == ["grad norm (before clipping)", "truncation rate"]
+    assert list(twins[1].get_lines()[0].get_ydata()) == [0.25] * 4
+
+
+def test_step_and_staleness_axes_have_integer_ticks(run):
+    pytest.importorskip("matplotlib")
+    run_dir, _ = run
+    _add_training_figures(run_dir)
+    rows, summary = load_metrics(run_dir)
+    panels = _panels(plot_report(rows, summary))
+    # A tick under each staleness bar (0, 1 and 2 versions), none between.
+    assert list(panels.pop("staleness at consume").get_xticks()) == [0, 1, 2]
+    for title, ax in panels.items():
+        ticks = [t for t in ax.get_xticks() if 1 <= t <= 4]
+        assert ax.get_xlabel() == "step", title
+        assert len(ticks) >= 2 and all(t == int(t) for t in ticks), (title, ticks)
+
+
+def test_one_data_source_is_the_train_reward_line_alone(run):
+    pytest.importorskip("matplotlib")
+    run_dir, _ = run
+    _add_training_figures(run_dir, sources=("gsm8k",))
+    rows, summary = load_metrics(run_dir)
+    assert _labels(_panels(plot_report(rows, summary))["reward"]) == ["train reward",
+                                                                      "held-out accuracy"]
+    assert not any("by source" in line for line in summarize(rows, summary).splitlines())
+
+
+def test_summary_shows_the_last_steps_training_figures(run):
+    run_dir, _ = run
+    _add_training_figures(run_dir)
+    rows, summary = load_metrics(run_dir)
+    lines = summarize(rows, summary).splitlines()
+    assert lines[1:8] == [
+        "train reward: first step 0.250, last step 1.000",
+        "last step reward by source: gsm8k 1.000, math 0.500",
+        "last step: loss 0.125, grad norm 1.5, grad norm max 6, entropy 0.6",
+        "last step clip fraction: total 0.200, low 0.080, high 0.120",
+        "last step KL: behaviour 0.004, proximal 0.008, reference 0.04",
+        "last step responses: length mean 14.0, max 14, truncated 25.0%",
+        "held-out accuracy: before 0.125, after 0.500 (+37.5 points)",
+    ]
+
+
+def test_rows_without_the_training_figures_still_report(run):
+    """Older runs and simulated steps lack the optional figures, or carry them as null:
+    their panels say "no data", the summary leaves their lines out."""
+    pytest.importorskip("matplotlib")
+    run_dir, _ = run
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    keep = ("step", "version", "time", "reward_mean", "tokens_per_s", "step_s", "wait_s",
+            "eval_accuracy")
+    rows = [{k: v for k, v in r.items() if k in keep} | {"loss": None, "reward_by_source": None}
+            for r in rows]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rows, summary = load_metrics(run_dir)
+    assert not any(line.startswith("last step") for line in summarize(rows, summary).splitlines())
+    fig = plot_report(rows, summary)
+    panels = _panels(fig)
+    assert list(panels) == PANELS and len(fig.axes) == 8
+    assert [title for title, ax in panels.items() if _no_data(ax)] == PANELS[3:]
+    assert _labels(panels["reward"]) == ["train reward", "held-out accuracy"]
+    # Before the run ends there is no staleness histogram either.
+    assert _no_data(_panels(plot_report(rows, {}))["staleness at consume"])
+    assert main(["report", str(run_dir)]) == 0
+    assert _png_size(run_dir / "report.png") == (2000, 800)
 
 
 def test_cli_without_matplotlib_says_so(run, capsys, monkeypatch):

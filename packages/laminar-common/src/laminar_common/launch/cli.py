@@ -234,7 +234,31 @@ def keys(out: str, etcd: bool, etcd_host: tuple[str, ...]) -> int:
     return 0
 
 
-@cli.command(help="Show a job's members and latest weight version.")
+def _metrics_url(advertised: str | None, member_host: str) -> str:
+    """A member's ``Extra.METRICS`` as a URL to scrape from elsewhere (``-``: none).
+
+    A member advertises ``http://{metrics.host}:{port}/metrics``; on a wildcard
+    interface (``0.0.0.0``, ``::``) its host name is put in instead, and an IPv6
+    literal gets its brackets.
+    """
+    if not advertised:
+        return "-"
+    scheme, sep, rest = advertised.partition("://")
+    if not sep:  # a bare host:port
+        scheme, rest = "http", f"{advertised}/metrics"
+    netloc, _, path = rest.partition("/")
+    host, colon, port = netloc.rpartition(":")
+    if not colon or not port.isdigit():
+        return advertised
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = member_host
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}/{path}"
+
+
+@cli.command(help="Show a job's members (with their /metrics URLs) and latest weight version.")
 @_option("--etcd", default="127.0.0.1:2379",
               help="etcd endpoint host:port, or https://host:port (etcd.endpoints)")
 @_option("--job", required=True, help="job name")
@@ -255,7 +279,7 @@ def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
     from laminar_common.auth import etcd_tls_for
     from laminar_common.etcd import EtcdCoordinator
     from laminar_common.logs import setup_logging
-    from laminar_common.roles import State, is_ready
+    from laminar_common.roles import Extra, State, is_ready
 
     setup_logging("WARNING")
     tls = {"ca_cert": etcd_ca, "client_cert": etcd_cert, "client_key": etcd_key}
@@ -268,7 +292,8 @@ def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
         for member_id, rec in sorted(coord.members().items(), key=lambda x: (x[1].role, x[0])):
             print(f"  {rec.role:<8} {member_id:<20} {rec.address:<28} host={rec.host} "
                   f"pkg={rec.package_version} proto={rec.protocol_version} "
-                  f"ready={'yes' if is_ready(rec.extra) else 'no'}")
+                  f"ready={'yes' if is_ready(rec.extra) else 'no'} "
+                  f"metrics={_metrics_url(rec.extra.get(Extra.METRICS), rec.host)}")
         trainer = coord.get_state(State.TRAINER)
         if trainer:
             t = json.loads(trainer)

@@ -7,24 +7,47 @@ launch's run. Plots need matplotlib (``laminar-common[report]``);
 without it only the text is produced, and the output says so. A file that is
 not what the trainer writes (a torn line, a row without a field the report
 uses) is a :class:`LaminarError` naming the file and line, never a traceback.
+Only ``_ROW_FIELDS`` are required of a row: the optimisation and generation
+figures (loss, grad norm, KL, clip fractions, entropy, response lengths,
+reward per data source) are optional, absent from older runs and simulated
+steps, and a panel or summary line without them says "no data" or is left out.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from laminar_common.errors import LaminarError
 from laminar_common.jsonl import iter_jsonl
 
-__all__ = ["load_metrics", "summarize", "write_plots", "write_timeline", "find_worker_stats",
-           "busy_in_window"]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["load_metrics", "summarize", "plot_report", "write_plots", "write_timeline",
+           "find_worker_stats", "busy_in_window"]
 
 
 _ROW_FIELDS = ("step", "version", "time", "reward_mean", "tokens_per_s", "step_s", "wait_s")
 _SUMMARY_FIELDS = ("tokens_per_s", "tokens_consumed", "trainer_idle_fraction", "staleness_mean",
                    "stall_mean_s", "send_mean_s")
+_LAST_STEP_LINES = (
+    ("last step", (("loss", "loss", ".4g"), ("grad norm", "grad_norm", ".4g"),
+                   ("grad norm max", "grad_norm_max", ".4g"), ("entropy", "entropy", ".4g"))),
+    ("last step clip fraction", (("total", "clip_fraction", ".3f"),
+                                 ("low", "clip_fraction_low", ".3f"),
+                                 ("high", "clip_fraction_high", ".3f"))),
+    ("last step KL", (("behaviour", "behaviour_kl", ".3g"), ("proximal", "proximal_kl", ".3g"),
+                      ("reference", "kl", ".3g"))),
+    ("last step responses", (("length mean", "response_length_mean", ".1f"),
+                             ("max", "response_length_max", ".0f"),
+                             ("truncated", "truncation_rate", ".1%"))),
+)
+"""Summary lines on the last row's optional figures: (head, ((label, key, format), ...))."""
 
 
 def _checked(value: object, fields: tuple[str, ...], where: str) -> dict:
@@ -81,6 +104,22 @@ def load_metrics(run_dir: str | Path, since: float | None = None) -> tuple[list[
     return rows, summary
 
 
+def _number(value: object) -> float | None:
+    """``value`` if it is a JSON number (not a bool), else None: an optional figure a row
+    may lack, or carry as null."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _by_source(row: dict) -> dict[str, float]:
+    """A row's ``reward_by_source`` (data source -> mean reward), its numbers only."""
+    by_source = row.get("reward_by_source")
+    if not isinstance(by_source, dict):
+        return {}
+    return {str(k): v for k, raw in by_source.items() if (v := _number(raw)) is not None}
+
+
 def summarize(rows: list[dict], summary: dict) -> str:
     lines = []
     if summary.get("simulated_step"):
@@ -90,6 +129,15 @@ def summarize(rows: list[dict], summary: dict) -> str:
         lines.append(f"steps: {last['step']} (weight version {last['version']})")
         lines.append(f"train reward: first step {first['reward_mean']:.3f}, "
                      f"last step {last['reward_mean']:.3f}")
+        by_source = _by_source(last)
+        if len(by_source) > 1:
+            lines.append("last step reward by source: " +
+                         ", ".join(f"{k} {v:.3f}" for k, v in sorted(by_source.items())))
+        for head, specs in _LAST_STEP_LINES:
+            parts = [f"{label} {v:{fmt}}" for label, key, fmt in specs
+                     if (v := _number(last.get(key))) is not None]
+            if parts:
+                lines.append(f"{head}: " + ", ".join(parts))
     if summary.get("eval_before") is not None:
         lines.append(f"held-out accuracy: before {summary['eval_before']:.3f}, "
                      f"after {summary['eval_after']:.3f} "
@@ -167,45 +215,137 @@ def write_timeline(runs: list[tuple[str, list[dict], tuple[float, float]]], path
     return Path(path)
 
 
-def write_plots(rows: list[dict], summary: dict, out_dir: str | Path,
-                workers: list[dict] | None = None) -> list[Path]:
-    """Write reward/throughput/staleness PNGs (and the per-worker timeline when worker
-    stats are given); returns their paths ([] without matplotlib)."""
-    try:
-        import matplotlib
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows that carry ``key`` as a number."""
+    points = [(r["step"], v) for r in rows if (v := _number(r.get(key))) is not None]
+    return [s for s, _ in points], [v for _, v in points]
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+
+def _step_axis(ax: Axes) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _no_data(ax: Axes) -> None:
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
+            color="grey")
+
+
+def _panel(ax: Axes, rows: list[dict], title: str, left: tuple[tuple[str, str], ...],
+           right: tuple[tuple[str, str], ...] = (), right_label: str = "") -> None:
+    """One line per (key, label) the rows carry against step; ``right`` ones on a twin
+    axis (another scale); "no data" when the rows carry none of them."""
+    # A twin axis restarts the colour cycle: take colours from one sequence for both.
+    colors = (f"C{i}" for i in itertools.count())
+    lines, twin = [], None
+    for key, label in left:
+        steps, values = _series(rows, key)
+        if steps:
+            lines += ax.plot(steps, values, ".-", color=next(colors), label=label)
+    for key, label in right:
+        steps, values = _series(rows, key)
+        if steps:
+            if twin is None:
+                twin = ax.twinx()
+                twin.set_ylabel(right_label)
+            lines += twin.plot(steps, values, ".--", color=next(colors), label=label)
+    ax.set_title(title)
+    _step_axis(ax)
+    if not lines:
+        _no_data(ax)
+    elif len(lines) > 1:
+        ax.legend(lines, [line.get_label() for line in lines], fontsize="small")
+
+
+def _reward_panel(ax: Axes, rows: list[dict], summary: dict) -> None:
+    """Train reward (one line per data source when there are several) and held-out
+    accuracy."""
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    axes[0].plot(steps, [r["reward_mean"] for r in rows], label="train reward")
+    ax.plot(steps, [r["reward_mean"] for r in rows], ".-", label="train reward")
+    sources = sorted({s for r in rows for s in _by_source(r)})
+    if len(sources) > 1:
+        for source in sources:
+            points = [(r["step"], v) for r in rows if (v := _by_source(r).get(source)) is not None]
+            ax.plot(*zip(*points), ".:", label=f"train reward: {source}")
     evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
     if summary.get("eval_before") is not None:
         evals = [(0, summary["eval_before"]), *evals]
         if summary.get("eval_after") is not None and steps:
             evals.append((steps[-1], summary["eval_after"]))
     if evals:
-        axes[0].plot(*zip(*evals), "o--", label="held-out accuracy")
-    axes[0].set_xlabel("step")
-    axes[0].set_title("reward")
-    axes[0].legend()
-    axes[1].plot(steps, [r["tokens_per_s"] for r in rows])
-    axes[1].set_xlabel("step")
-    axes[1].set_title("trajectory tokens/s consumed")
-    hist = summary.get("staleness_hist", {})
-    axes[2].bar([int(k) for k in hist], list(hist.values()))
-    axes[2].set_xlabel("staleness (versions)")
-    axes[2].set_title("staleness at consume")
+        ax.plot(*zip(*evals), "o--", label="held-out accuracy")
+    ax.set_title("reward")
+    _step_axis(ax)
+    if rows:
+        ax.legend(fontsize="small")
+    else:
+        _no_data(ax)
+
+
+def _staleness_panel(ax: Axes, summary: dict) -> None:
+    """The run's staleness histogram (``summary.json``; "no data" until the run ends)."""
+    from matplotlib.ticker import MaxNLocator
+
+    hist = {int(k): v for k, v in summary.get("staleness_hist", {}).items()}
+    ax.set_xlabel("staleness (versions)")
+    ax.set_title("staleness at consume")
+    if not hist:
+        _no_data(ax)
+        return
+    ax.bar(list(hist), list(hist.values()))
+    # Staleness is a whole number of versions: a tick under each bar, none between.
+    ax.set_xticks(sorted(hist))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def plot_report(rows: list[dict], summary: dict) -> Figure:
+    """The report figure: a 2 x 4 grid of panels (reward, tokens/s, staleness, loss and
+    grad norm; KL, clip fractions, entropy, response length and truncation rate).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(20, 8), layout="constrained")
+    axes = fig.subplots(2, 4)
+    _reward_panel(axes[0, 0], rows, summary)
+    _panel(axes[0, 1], rows, "trajectory tokens/s consumed", (("tokens_per_s", "tokens/s"),))
+    _staleness_panel(axes[0, 2], summary)
+    _panel(axes[0, 3], rows, "loss and grad norm", (("loss", "loss"),),
+           (("grad_norm", "grad norm"), ("grad_norm_max", "grad norm max")),
+           "grad norm (before clipping)")
+    _panel(axes[1, 0], rows, "KL (approx.)", (("behaviour_kl", "behaviour || proximal"),
+                                              ("proximal_kl", "trained || proximal"),
+                                              ("kl", "to reference")))
+    _panel(axes[1, 1], rows, "clip fraction", (("clip_fraction", "total"),
+                                               ("clip_fraction_low", "low"),
+                                               ("clip_fraction_high", "high")))
+    _panel(axes[1, 2], rows, "mean token entropy", (("entropy", "entropy"),))
+    _panel(axes[1, 3], rows, "response length (tokens)",
+           (("response_length_mean", "mean"), ("response_length_max", "max")),
+           (("truncation_rate", "truncation rate"),), "truncation rate")
     if summary.get("simulated_step"):
         fig.suptitle("simulated training step")
-    fig.tight_layout()
+    return fig
+
+
+def write_plots(rows: list[dict], summary: dict, out_dir: str | Path,
+                workers: list[dict] | None = None) -> list[Path]:
+    """Write ``report.png`` (:func:`plot_report`) and, when worker stats are given, the
+    per-worker ``timeline.png``; returns their paths ([] without matplotlib)."""
+    try:
+        fig = plot_report(rows, summary)
+    except ImportError:
+        return []
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "report.png"
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     paths = [path]
     if workers and rows:
         t0 = rows[0]["time"] - rows[0]["step_s"] - rows[0]["wait_s"]
