@@ -26,9 +26,10 @@ SEEDS = [
     codec.Trajectory(trajectory_id="p#0", prompt_id="p", group_size=2, sample_index=0,
                      worker_id="w0", policy_version=3, prompt_token_ids=(1, 2),
                      response_token_ids=(3, 4), behaviour_logprobs=(-0.5, -1.0), reward=1.0,
-                     finish_reason="stop"),
+                     finish_reason="stop", data_source="openai/gsm8k"),
     codec.Ack(trajectory_ids=("p#0", "p#1"), trainer_step=1, trainer_version=1),
     codec.ExportTrajectories(trajectory_ids=("p#0",)),
+    codec.GroupsFiltered(prompt_ids=("p", "q"), trainer_step=2),
     codec.WorkerReport(worker_id="w0", policy_version=1, active=1, queued=0, max_batch=4,
                        kv_used_tokens=9, kv_capacity_tokens=99),
 ]

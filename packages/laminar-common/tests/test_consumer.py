@@ -252,6 +252,16 @@ def test_check_trajectory_reasons():
     assert check_trajectory(traj(policy_version=4), trainer_version=3).reason == "bad-version"
 
 
+def test_the_data_source_travels_and_its_length_is_bounded():
+    from laminar_common.consume.validation import MAX_DATA_SOURCE_CHARS, REASONS
+
+    assert traj().data_source == ""
+    assert check_trajectory(traj(data_source="x" * MAX_DATA_SOURCE_CHARS)) is None
+    long = check_trajectory(traj(data_source="x" * (MAX_DATA_SOURCE_CHARS + 1)))
+    assert long.reason == "bad-data-source" and long.reason in REASONS
+    assert f"{MAX_DATA_SOURCE_CHARS + 1} characters" in long.detail and "p0#0" in long.detail
+
+
 def test_the_sampling_temperature_travels_and_is_checked():
     from laminar_common.codec import SamplingSpec
 

@@ -126,7 +126,8 @@ def test_manifest_validation_never_lets_garbage_through(manifest):
 @SETTINGS
 @given(st.sampled_from([codec.Trajectory, codec.PromptTask, codec.Ack, codec.WorkerReport,
                         codec.WeightManifest, codec.Hello, codec.PullWeights,
-                        codec.ExportTrajectories, codec.Acked, codec.GenerationRejected]),
+                        codec.ExportTrajectories, codec.Acked, codec.GenerationRejected,
+                        codec.GroupsFiltered, codec.TrajectoryRejected]),
        st.dictionaries(st.text(string.ascii_lowercase + "_", max_size=20), json_values,
                        max_size=8))
 def test_structurally_plausible_frames(kind, fields):

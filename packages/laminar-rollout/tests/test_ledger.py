@@ -279,3 +279,34 @@ def test_chat_prompts_and_nested_metadata_travel_untouched_in_their_tasks():
     led.mark_done("chat#0", "w1")
     led.mark_done("chat#1", "w1")
     assert led.batch_done(0) and led.counts()[DONE] == 3
+
+
+def test_filtered_groups_are_credited_once_and_survive_a_restore():
+    led = TrajectoryLedger(keep_settled=1)
+    records = {f"p{i}": PromptRecord(f"p{i}", "x", {}) for i in range(4)}
+    for i in range(4):
+        led.add_group(records[f"p{i}"], 2, SAMPLING)
+    assert led.mark_filtered("p1") is True and led.filtered_groups == 1
+    assert led.mark_filtered("p1") is False  # a re-sent notice: no second credit
+    assert led.mark_filtered("nope") is None and led.mark_filtered("p1#0") is None
+    assert led.counters.filtered_again == 1 and led.counters.filtered_unknown == 2
+    assert led.mark_filtered("p0") is True
+    # Filtered groups are acked like the rest. p0 and p1 settle; p0 is compacted away
+    # (its count stays).
+    for t in led.take_pending("w1", 0, 4):
+        led.mark_done(t.trajectory_id, "w1")
+        led.mark_acked(t.trajectory_id)
+    assert led.compacted_groups == 1 and led.filtered_groups == 2
+    assert led.mark_filtered("p0") is None  # compacted: unknown, never credited again
+    snap = led.snapshot()
+    assert snap["filtered"] == {"groups": 2, "prompt_ids": ["p1"]}
+    back = TrajectoryLedger.restored(snap, records.get, SAMPLING, keep_settled=1)
+    assert back.filtered_groups == 2
+    assert back.mark_filtered("p1") is False and back.mark_filtered("p2") is True
+    assert back.filtered_groups == 3
+    # A snapshot from before dynamic sampling has no "filtered": nothing credited.
+    old = {k: v for k, v in snap.items() if k != "filtered"}
+    assert TrajectoryLedger.restored(old, records.get, SAMPLING).filtered_groups == 0
+    with pytest.raises(ValueError, match="filtered prompt 'zz'"):
+        TrajectoryLedger.restored({**snap, "filtered": {"groups": 1, "prompt_ids": ["zz"]}},
+                                  records.get, SAMPLING)

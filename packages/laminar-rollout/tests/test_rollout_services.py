@@ -442,3 +442,97 @@ def test_a_resumed_manager_keeps_the_shuffled_order_or_refuses_another(tmp_path)
     with pytest.raises(LaminarError, match=r"saved run used data.shuffle=True, data.seed=3; "
                                            r"this config has data.shuffle=True, data.seed=4"):
         manager(4, resume=True)
+
+
+def test_worker_fills_data_source_from_the_task_metadata(stack, tmp_path):
+    """A string ``metadata["data_source"]`` travels on the trajectory; anything else
+    (missing, not a string, longer than the trainer accepts) is sent as ""."""
+    import json
+
+    from laminar_common.consume.validation import MAX_DATA_SOURCE_CHARS
+
+    store, trainer, _, start_worker = stack
+    sources = {"p0": "openai/gsm8k", "p1": 7, "p2": None, "p3": "x" * (MAX_DATA_SOURCE_CHARS + 1)}
+    path = tmp_path / "sources.jsonl"
+    path.write_text("".join(json.dumps({"id": pid, "prompt": "sort 12=", "answer": "x",
+                                        **({} if src is None else {"data_source": src})}) + "\n"
+                            for pid, src in sources.items()))
+    cfg = ManagerConfig(job=JOB, prompts=str(path), group_size=1)
+    manager = ManagerService(cfg, coordinator=InMemoryCoordinator(store, JOB)).start()
+    try:
+        start_worker("w1")
+        assert _wait(lambda: len(trainer.got) >= 4, 20, trainer)
+    finally:
+        manager.close("test over")
+    got = {t.prompt_id: t.data_source for t in trainer.got}
+    assert got == {"p0": "openai/gsm8k", "p1": "", "p2": "", "p3": ""}
+
+
+def test_filtered_groups_buy_more_groups_once_each_and_survive_a_resume(tmp_path):
+    """laminar mode: every group the trainer filtered (dynamic sampling) raises the
+    run-ahead bound by one group, once however often it is named; the credit is part of
+    the saved state. Unknown prompt ids are counted, not credited."""
+    from laminar_common.codec import GroupsFiltered
+
+    store = InMemoryEtcd()
+
+    def manager(resume=False):
+        cfg = ManagerConfig(job=JOB, prompts=_prompts(tmp_path, 10), group_size=1,
+                            max_staleness=0, batch_groups=2, state_dir=str(tmp_path / "state"))
+        return ManagerService(cfg, coordinator=InMemoryCoordinator(store, JOB),
+                              resume=resume).start()
+
+    first = manager()
+    client = _fake_worker(first)
+    sender = make_push_sender(first.acks.endpoint)
+    try:
+        # Version 0, max_staleness 0: 2 groups, then creation waits for the trainer.
+        assert _wait(lambda: first.cursor.state()["position"] == 2, 10)
+        for _ in range(2):  # a re-sent notice grants nothing more
+            sender.send(GroupsFiltered(prompt_ids=("p0", "p0", "nope"), trainer_step=0))
+        assert _wait(lambda: first.stats.filtered_notices == 2, 10)
+        assert _wait(lambda: first.cursor.state()["position"] == 3, 10)
+        assert first.ledger.filtered_groups == 1
+        assert first.ledger.counters.filtered_unknown == 2
+        metrics = {m.name: m for m in first._metrics()}
+        assert metrics["groups_filtered_total"].value == 1
+        assert first.summary()["groups_filtered"] == 1
+    finally:
+        sender.close()
+        first.close("killed")
+        client.close()
+
+    second = manager(resume=True)
+    client = _fake_worker(second)
+    sender = make_push_sender(second.acks.endpoint)
+    try:
+        assert second.ledger.filtered_groups == 1 and second.cursor.state()["position"] == 3
+        sender.send(GroupsFiltered(prompt_ids=("p0",), trainer_step=0))  # told again
+        sender.send(GroupsFiltered(prompt_ids=("p1",), trainer_step=0))
+        assert _wait(lambda: second.stats.filtered_notices == 2, 10)
+        # Each notice is credited as it is read: p0 bought nothing the second time.
+        assert second.ledger.filtered_groups == 2
+        assert _wait(lambda: second.cursor.state()["position"] == 4, 10)
+    finally:
+        sender.close()
+        second.close("test over")
+        client.close()
+
+
+def test_filtered_groups_are_replaced_in_the_open_batch_of_sync_mode(tmp_path):
+    from laminar_common.codec import GroupsFiltered
+
+    cfg = ManagerConfig(job=JOB, prompts=_prompts(tmp_path, 10), group_size=1, mode="sync",
+                        batch_groups=2)
+    manager = ManagerService(cfg, coordinator=InMemoryCoordinator(InMemoryEtcd(), JOB)).start()
+    client = _fake_worker(manager)
+    sender = make_push_sender(manager.acks.endpoint)
+    try:
+        assert _wait(lambda: manager.batch == 0 and manager.cursor.state()["position"] == 2, 10)
+        sender.send(GroupsFiltered(prompt_ids=("p1",), trainer_step=0))
+        assert _wait(lambda: manager.cursor.state()["position"] == 3, 10)
+        assert manager.ledger.entries["p2#0"].batch == 0 and manager.batch == 0
+    finally:
+        sender.close()
+        manager.close("test over")
+        client.close()

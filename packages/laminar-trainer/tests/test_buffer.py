@@ -118,3 +118,75 @@ def test_staleness_drop_and_downweight_and_record():
 def test_bad_policy_refused():
     with pytest.raises(ValueError, match="policy"):
         ExperienceBuffer(policy="lifo")
+
+
+def _seq(t, seq):
+    return msgspec.structs.replace(t, group_seq=seq)
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_counts_them():
+    buf = ExperienceBuffer(dynamic_sampling=True)
+    for i, r in enumerate((1.0, 1.0)):
+        buf.add(_seq(traj("same", i, reward=r), 0))
+    for i, r in enumerate((0.0, 1.0)):
+        buf.add(_seq(traj("mixed", i, reward=r), 1))
+    # Only the informative group is ready; the uniform one waits to be dropped.
+    assert buf.ready_groups() == 1 and len(buf) == 4
+    assert buf.pop_filtered() == [("same", 0)] and buf.pop_filtered() == []
+    assert buf.stats.filtered == 1 and len(buf) == 2
+    # Consumed only once handed out to be logged: a copy until then is a duplicate.
+    assert "same#0" not in buf.consumed
+    assert buf.known(traj("same", 0)) is Added.DUPLICATE
+    assert buf.add(traj("same", 0)) is Added.DUPLICATE and len(buf) == 2
+    assert sorted(buf.pop_dropped()) == ["same#0", "same#1"]
+    assert "same#0" in buf.consumed and buf.add(traj("same", 1)) is Added.CONSUMED
+    (g,) = buf.take(5, trainer_version=0)
+    assert g.prompt_id == "mixed" and buf.pop_dropped() == []
+    # Filtered groups are not trained: no staleness is recorded for them.
+    assert sum(buf.stats.staleness.values()) == 2
+
+
+def test_dynamic_sampling_take_drops_uniform_groups_itself():
+    buf = ExperienceBuffer(dynamic_sampling=True)
+    buf.add(traj("u", 0, n=1))  # one member: no group-relative advantage
+    buf.add(traj("m", 0, reward=0.0))
+    buf.add(traj("m", 1, reward=0.5))
+    assert [g.prompt_id for g in buf.take(5, 0)] == ["m"]
+    assert buf.pop_dropped() == ["u#0"]
+    assert buf.pop_filtered() == [("u", -1)] and buf.stats.filtered == 1
+
+
+def test_dynamic_sampling_wait_ready_counts_only_informative_groups():
+    buf = ExperienceBuffer(dynamic_sampling=True)
+    for p in ("a", "b"):
+        buf.add(traj(p, 0))
+        buf.add(traj(p, 1))
+    assert not buf.wait_ready(1, timeout_s=0.01)
+    buf.add(traj("c", 0, reward=0.0))
+    buf.add(traj("c", 1, reward=1.0))
+    assert buf.wait_ready(1, timeout_s=0.01) and not buf.wait_ready(2, timeout_s=0.01)
+    # Off, the same uniform groups are ordinary groups.
+    plain = ExperienceBuffer()
+    plain.add(traj("a", 0))
+    plain.add(traj("a", 1))
+    assert plain.wait_ready(1, timeout_s=0.01) and plain.pop_filtered() == []
+
+
+def test_dynamic_sampling_group_with_a_failed_member():
+    buf = ExperienceBuffer(dynamic_sampling=True)
+    # Three samples, one given up on: the two left differ, so it trains without it.
+    buf.add(traj("a", 0, n=3, reward=0.0))
+    buf.fail(traj("a", 1, n=3))
+    buf.add(traj("a", 2, n=3, reward=1.0))
+    # Two given up on: one member left, nothing to compare it with.
+    buf.add(_seq(traj("b", 0, n=3, reward=1.0), 7))
+    buf.fail(_seq(traj("b", 1, n=3), 7))
+    buf.fail(_seq(traj("b", 2, n=3), 7))
+    # Every sample given up on: filtered too, with no ids to ack (failed ids are
+    # settled by their final rejections).
+    buf.fail(_seq(traj("z", 0, n=1), 8))
+    assert buf.ready_groups() == 1
+    (g,) = buf.take(5, 0)
+    assert g.prompt_id == "a" and [t.sample_index for t in g.trajectories()] == [0, 2]
+    assert buf.pop_filtered() == [("b", 7), ("z", 8)]
+    assert buf.pop_dropped() == ["b#0"] and buf.stats.filtered == 2 and len(buf) == 0

@@ -36,6 +36,7 @@ __all__ = [
     "PartialProgress",
     "Ack",
     "TrajectoryRejected",
+    "GroupsFiltered",
     "WorkerReport",
     "Command",
     "PullWeights",
@@ -50,9 +51,11 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 4
-"""4: :class:`PromptTask` carries chat ``messages`` and nested JSON ``metadata``
-(a record's fields as the dataset holds them); :class:`Trajectory` carries the
+PROTOCOL_VERSION = 5
+"""5: :class:`Trajectory` carries its task's ``data_source`` (the dataset it came
+from, for per-source metrics); adds :class:`GroupsFiltered` (trainer -> manager,
+dynamic sampling). 4: :class:`PromptTask` carries chat ``messages`` and nested
+JSON ``metadata`` (a record's fields as the dataset holds them); :class:`Trajectory` carries the
 :class:`SamplingSpec` it was generated with, so the trainer computes log-probs at
 the same temperature. 3: the stringly ``Command(action=...)`` becomes one tagged struct per command
 (:class:`PullWeights`, :class:`ExportTrajectories`, :class:`Acked`,
@@ -157,6 +160,9 @@ class Trajectory(_Msg, tag="trajectory"):
     group_seq: int = -1
     settled_below: int = -1
     sampling: SamplingSpec = SamplingSpec()
+    data_source: str = ""
+    """The task's ``metadata["data_source"]`` when it is a string (verl-format rows
+    carry one), else empty: the trainer reports rewards per source."""
 
 
 class PartialProgress(_Msg, tag="partial"):
@@ -190,6 +196,20 @@ class TrajectoryRejected(_Msg, tag="trajectory-rejected"):
     worker_id: str
     reason: str
     final: bool = False
+    trainer_step: int = -1
+
+
+class GroupsFiltered(_Msg, tag="groups-filtered"):
+    """Trainer -> manager: these prompts' complete groups were dropped untrained
+    (dynamic sampling: every member scored the same, so the group teaches nothing).
+
+    The manager grants one group of creation credit per prompt id, once per group
+    however often it is told (the trainer re-sends to a new manager incarnation), so
+    the trainer's wait for informative groups is met. Not durable: the groups'
+    trajectory ids are acked as usual once the trainer's consumed state is.
+    """
+
+    prompt_ids: tuple[str, ...]
     trainer_step: int = -1
 
 
@@ -276,6 +296,7 @@ Message = Union[
     PartialProgress,
     Ack,
     TrajectoryRejected,
+    GroupsFiltered,
     WorkerReport,
     PullWeights,
     ExportTrajectories,

@@ -8,6 +8,13 @@ state::
        └──── worker lost / exported (resume tokens kept) ─────┘
     rejected  (terminal: the prompt cannot be generated, e.g. longer than the context)
 
+A group can also be marked *filtered* (:meth:`TrajectoryLedger.mark_filtered`:
+the trainer's dynamic sampling dropped it untrained, every member having scored
+the same); its trajectories still move along the arrows (they are acked). Each
+filtered group counts once in ``filtered_groups``, the creation credit the
+manager grants for it, however often it is told; the count and the marks are
+part of the snapshot.
+
 Invariants:
 
 - A trajectory id is created once (from its prompt id and sample index) and
@@ -65,6 +72,10 @@ class LedgerCounters:
     acks_unknown: int = 0
     regenerated: int = 0
     """Trajectories generated again because the trainer refused a copy by content."""
+    filtered_unknown: int = 0
+    """Filtered-group notices naming a prompt of no group the ledger holds."""
+    filtered_again: int = 0
+    """Filtered-group notices for a group already marked (a re-sent notice)."""
     by_state: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
@@ -77,6 +88,8 @@ class _Group:
     batch: int
     open: int
     """Its trajectories not yet acked or rejected."""
+    filtered: bool = False
+    """The trainer dropped it untrained (dynamic sampling); credited once."""
 
 
 def trajectory_id(prompt_id: str, sample_index: int) -> str:
@@ -98,6 +111,8 @@ class TrajectoryLedger:
         self.keep_settled = keep_settled
         self.compacted_groups = 0
         self.compacted_states: collections.Counter[str] = collections.Counter()
+        self.filtered_groups = 0
+        """Groups marked filtered over the run (compacted ones included)."""
         self._pending: collections.deque[str] = collections.deque()
         self.counters = LedgerCounters()
         # Indexes kept in step with every state change, so per-loop queries are
@@ -299,6 +314,25 @@ class TrajectoryLedger:
         self.counters.regenerated += 1
         return True
 
+    def mark_filtered(self, prompt_id: str) -> bool | None:
+        """The trainer dropped ``prompt_id``'s group untrained (dynamic sampling).
+
+        Returns True when this marks it (one more ``filtered_groups``), False when it
+        was marked already (a re-sent notice: no second credit), None when no group
+        of that prompt is held (unknown, or compacted away long after it settled).
+        """
+        entry = self.entries.get(trajectory_id(prompt_id, 0))
+        group = self._groups.get(entry.task.group_seq) if entry is not None else None
+        if group is None or group.prompt_id != prompt_id:
+            self.counters.filtered_unknown += 1
+            return None
+        if group.filtered:
+            self.counters.filtered_again += 1
+            return False
+        group.filtered = True
+        self.filtered_groups += 1
+        return True
+
     def mark_acked(self, tid: str) -> str | None:
         """Durable trainer ack; returns the worker to notify, None if it is not known.
 
@@ -394,7 +428,9 @@ class TrajectoryLedger:
         ``groups``: ``[prompt_id, group_size, batch, group_seq]`` per prompt, in
         creation order; ``dispatched_to``: how many trajectories each worker
         holds; ``settled_below``: the watermark; ``compacted``: how many groups
-        were compacted away and their trajectories' final states.
+        were compacted away and their trajectories' final states; ``filtered``: how
+        many groups were marked filtered (``groups``) and the prompt ids of those
+        not compacted (``prompt_ids``).
         """
         states: dict[str, list[str]] = {s: [] for s in STATES}
         for tid, entry in self.entries.items():
@@ -403,7 +439,10 @@ class TrajectoryLedger:
         return {"states": states, "groups": groups,
                 "dispatched_to": {w: len(ids) for w, ids in self._held.items() if ids},
                 "settled_below": self.settled_below,
-                "compacted": {"groups": self.compacted_groups, **self.compacted_states}}
+                "compacted": {"groups": self.compacted_groups, **self.compacted_states},
+                "filtered": {"groups": self.filtered_groups,
+                             "prompt_ids": [g.prompt_id for g in self._groups.values()
+                                            if g.filtered]}}
 
     @classmethod
     def restored(cls, snapshot: dict, records: Callable[[str], Record | None],
@@ -435,6 +474,11 @@ class TrajectoryLedger:
                     raise ValueError(f"compacted trajectories in state {state!r}")
                 ledger.compacted_states[state] = int(n)
                 ledger.counters.by_state[state] += int(n)
+            filtered = snapshot.get("filtered", {})  # absent before dynamic sampling
+            for prompt_id in filtered.get("prompt_ids", ()):
+                if ledger.mark_filtered(prompt_id) is None:
+                    raise ValueError(f"filtered prompt {prompt_id!r} is of no group")
+            ledger.filtered_groups = int(filtered.get("groups", ledger.filtered_groups))
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed ledger snapshot: {exc!r}") from exc
         unknown = sorted(set(final) - set(ledger.entries))

@@ -2,12 +2,20 @@
 
 Owns the prompt cursor, the :class:`~laminar_rollout.ledger.TrajectoryLedger`,
 the view of every worker, and the scheduling loop. Workers connect over a
-ZeroMQ ROUTER socket (hello handshake); the trainer sends durable acks to a
-PULL socket. The manager registers in etcd (role ``manager``) with both
-addresses, watches worker membership and ``weights/latest``.
+ZeroMQ ROUTER socket (hello handshake); the trainer sends durable acks,
+rejections and filtered-group notices to a PULL socket. The manager registers in
+etcd (role ``manager``) with both addresses, watches worker membership and
+``weights/latest``.
 
 One thread owns both sockets and the ledger (no locks around them); etcd
 watch callbacks only post events to a queue that this thread drains.
+
+Dynamic sampling: the trainer drops groups that teach nothing and says so
+(:class:`~laminar_common.codec.GroupsFiltered`); each such group, once however
+often it is named, buys one more group: in laminar mode it raises the run-ahead
+bound by a group, in sync and one-step modes a group is added to the open
+batch. Without it the trainer would wait for groups the bound never lets the
+manager create.
 
 Invariants: every trajectory is accounted for exactly once (see the ledger);
 the manager never asks a worker holding trajectories to change weights.
@@ -24,6 +32,7 @@ from dataclasses import dataclass, field
 
 from laminar_common import codec
 from laminar_common.codec import (
+    GroupsFiltered,
     PartialProgress,
     PromptTask,
     SamplingSpec,
@@ -90,6 +99,8 @@ class ManagerStats:
     """Workers whose lease expired while they kept talking (etcd paused): kept."""
     trainer_rejections: int = 0
     """Trajectories the trainer refused by content (each generated again or failed)."""
+    filtered_notices: int = 0
+    """Filtered-group notices received (re-sent ones included)."""
     recovery_seconds: list[float] = field(default_factory=list)
     """Per lost worker: last heard from -> every trajectory it held dispatched again."""
 
@@ -178,7 +189,8 @@ class ManagerService(Service):
         curve = self.config.auth.curve()
         self.server = make_server(self.config.listen, member_id=self.config.manager_id, auth=curve)
         self.acks = make_pull_receiver(self.config.ack_listen,
-                                       expect=(codec.Ack, TrajectoryRejected), auth=curve)
+                                       expect=(codec.Ack, TrajectoryRejected, GroupsFiltered),
+                                       auth=curve)
         if self.coordinator is None:
             self.coordinator = make_coordinator(self.config.etcd, self.config.job)
         self.status = StatusWriter(self.coordinator, "manager status")
@@ -231,6 +243,8 @@ class ManagerService(Service):
             while ack is not None:
                 if isinstance(ack, TrajectoryRejected):
                     self._handle_trainer_rejection(ack)
+                elif isinstance(ack, GroupsFiltered):
+                    self._handle_groups_filtered(ack)
                 else:
                     self._handle_ack(ack)
                 ack = self.acks.recv(timeout_s=0)
@@ -343,6 +357,32 @@ class ManagerService(Service):
         if msg.worker_id in self.workers:
             self._send(msg.worker_id, codec.Acked(trajectory_ids=(msg.trajectory_id,)))
 
+    def _handle_groups_filtered(self, msg: GroupsFiltered) -> None:
+        """The trainer dropped these groups untrained (dynamic sampling): credit one more
+        group for each not credited before (see module docstring)."""
+        self.stats.filtered_notices += 1
+        new = unknown = 0
+        for prompt_id in msg.prompt_ids:
+            marked = self.ledger.mark_filtered(prompt_id)
+            new += marked is True
+            unknown += marked is None
+        if unknown:
+            log.warning("trainer step %d: %d of %d filtered groups are unknown here "
+                        "(not credited; %d so far)", msg.trainer_step, unknown,
+                        len(msg.prompt_ids), self.ledger.counters.filtered_unknown)
+        if not new:
+            return
+        added = 0
+        if self.config.mode != "laminar" and self.batch >= 0:
+            while added < new and not self.cursor.exhausted():
+                self.ledger.add_group(self.cursor.next(), self.config.group_size,
+                                      self.sampling, batch=self.batch)
+                added += 1
+        log.info("trainer step %d: %d groups filtered (%d in all)%s", msg.trainer_step, new,
+                 self.ledger.filtered_groups,
+                 f"; {added} added to batch {self.batch}" if self.config.mode != "laminar"
+                 else "")
+
     def _send(self, worker: str, msg: codec.Message) -> bool:
         try:
             self.server.send(worker, msg)
@@ -431,7 +471,9 @@ class ManagerService(Service):
         if self.config.mode == "laminar":
             cfg = self.config
             want = sum(v.capacity for v in views)
-            allowed = (self.latest + 1 + cfg.max_staleness) * cfg.batch_groups * cfg.group_size
+            # Each group the trainer filtered (dynamic sampling) is one more to create.
+            allowed = ((self.latest + 1 + cfg.max_staleness) * cfg.batch_groups
+                       + self.ledger.filtered_groups) * cfg.group_size
             while self.ledger.pending_count() < want and not self.cursor.exhausted() and \
                     self.ledger.created + cfg.group_size <= allowed:
                 self.ledger.add_group(self.cursor.next(), cfg.group_size, self.sampling)
@@ -546,6 +588,12 @@ class ManagerService(Service):
                    if self.acks else {}),
             Metric("trainer_rejections_total", "counter",
                    "trajectories the trainer refused by content", st.trainer_rejections),
+            Metric("groups_filtered_total", "counter",
+                   "groups the trainer dropped untrained (dynamic sampling), each credited once",
+                   self.ledger.filtered_groups),
+            Metric("filtered_unknown_total", "counter",
+                   "filtered-group notices naming a prompt the ledger does not hold",
+                   lc.filtered_unknown),
             Metric("lease_expired_kept_total", "counter",
                    "workers kept although their lease expired (they kept talking)",
                    st.lease_expired_kept),
@@ -569,6 +617,8 @@ class ManagerService(Service):
             "restarted": self.ledger.counters.restarted,
             "stale_reports": self.ledger.counters.stale_reports,
             "trainer_rejections": self.stats.trainer_rejections,
+            "groups_filtered": self.ledger.filtered_groups,
+            "filtered_unknown": self.ledger.counters.filtered_unknown,
             "lease_expired_kept": self.stats.lease_expired_kept,
             "ack_rejected_frames": dict(self.acks.stats.rejected) if self.acks else {},
             "pulls_commanded": self.stats.pulls_commanded,

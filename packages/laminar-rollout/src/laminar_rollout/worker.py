@@ -36,6 +36,7 @@ import msgspec
 
 from laminar_common import codec
 from laminar_common.codec import PartialProgress, PromptTask, Trajectory, WorkerReport
+from laminar_common.consume.validation import MAX_DATA_SOURCE_CHARS
 from laminar_common.errors import ConfigError, LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
@@ -73,6 +74,20 @@ class FetchedVersion:
         release, self._release = self._release, None
         if release is not None:
             release()
+
+
+def _data_source(task: PromptTask) -> str:
+    """The task's ``metadata["data_source"]`` (verl-format rows have one) when it is a
+    string the trainer accepts, else "" (a longer one is logged: the trainer would
+    refuse the trajectory for it)."""
+    value = task.metadata.get("data_source")
+    if not isinstance(value, str):
+        return ""
+    if len(value) > MAX_DATA_SOURCE_CHARS:
+        log.warning("prompt %s: data_source of %d characters is longer than %d; sent as ''",
+                    task.prompt_id, len(value), MAX_DATA_SOURCE_CHARS)
+        return ""
+    return value
 
 
 class WorkerService(Service):
@@ -444,6 +459,7 @@ class WorkerService(Service):
                 reward=reward, finish_reason=out.finish_reason, reward_error=error,
                 completion=text, simulated=out.simulated, group_seq=task.group_seq,
                 settled_below=task.settled_below, sampling=task.sampling,
+                data_source=_data_source(task),
             )
             self.outbox[traj.trajectory_id] = traj
             self._done_since_report.append(traj.trajectory_id)

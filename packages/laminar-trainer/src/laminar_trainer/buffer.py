@@ -29,9 +29,23 @@ content too often) counts as consumed and its group completes without it.
 Groups dropped as too stale are consumed too, and their ids wait in
 :meth:`ExperienceBuffer.pop_dropped` to be acked (nothing waits for them).
 
+Dynamic sampling (``dynamic_sampling``, DAPO): a complete group that teaches
+nothing — every member scored the same reward, or fewer than two members are
+left after give-ups — is *uninformative*. It never counts as ready
+(:meth:`~ExperienceBuffer.ready_groups`, :meth:`~ExperienceBuffer.wait_ready`) and
+is never handed out; it is dropped (on the training thread's calls,
+:meth:`~ExperienceBuffer.take` and :meth:`~ExperienceBuffer.pop_filtered`, never the
+receiving thread's), counted (``stats.filtered``) and named by
+:meth:`~ExperienceBuffer.pop_filtered`, so the manager can generate as many more.
+Its ids are consumed untrained like a stale group's, but only once
+:meth:`~ExperienceBuffer.pop_dropped` hands them to the caller to log (until then a
+copy is refused as a duplicate): a checkpoint never holds a consumed id the
+consumed log lacks.
+
 Invariants: a trajectory id is handed out at most once over the buffer's
 life (``consumed`` persists through checkpoints); a group is handed out whole
-or not at all; nothing here blocks — the caller waits on :meth:`wait_ready`.
+or not at all, and with dynamic sampling only an informative one; nothing
+here blocks — the caller waits on :meth:`wait_ready`.
 """
 
 from __future__ import annotations
@@ -56,6 +70,8 @@ class Group:
     weight: float = 1.0
     failed: set[int] = field(default_factory=set)
     """Sample indices given up on (rejected too often): the group trains without them."""
+    group_seq: int = -1
+    """The manager's number for the group (-1: unknown)."""
 
     @property
     def complete(self) -> bool:
@@ -66,6 +82,12 @@ class Group:
 
     def min_version(self) -> int:
         return min(t.policy_version for t in self.members.values())
+
+    @property
+    def informative(self) -> bool:
+        """At least two members left and not all of the same reward (a non-zero
+        group-relative advantage somewhere)."""
+        return len(self.members) >= 2 and len({t.reward for t in self.members.values()}) > 1
 
 
 class Added(enum.Enum):
@@ -93,6 +115,8 @@ class BufferStats:
     reward_errors: int = 0
     mismatched: int = 0
     failed: int = 0
+    filtered: int = 0
+    """Complete groups dropped untrained by dynamic sampling (uninformative)."""
     staleness: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
@@ -101,7 +125,8 @@ class ExperienceBuffer:
 
     def __init__(self, capacity: int = 4096, policy: str = "fifo", max_staleness: int = 4,
                  stale_action: str = "drop", downweight: float = 0.5,
-                 consumed: ConsumedIds | Iterable[str] | None = None) -> None:
+                 consumed: ConsumedIds | Iterable[str] | None = None,
+                 dynamic_sampling: bool = False) -> None:
         if policy not in ("fifo", "staleness"):
             raise ValueError(f"buffer policy {policy!r}: expected 'fifo' or 'staleness'")
         if stale_action not in ("drop", "downweight"):
@@ -111,10 +136,16 @@ class ExperienceBuffer:
         self.max_staleness = max_staleness
         self.stale_action = stale_action
         self.downweight = downweight
+        self.dynamic_sampling = dynamic_sampling
         self.consumed = consumed if isinstance(consumed, ConsumedIds) else \
             ConsumedIds(consumed or ())
         self.stats = BufferStats()
         self._dropped: list[str] = []
+        self._uninformative: dict[str, None] = {}
+        """Prompt ids of complete uninformative groups not dropped yet (dynamic sampling)."""
+        self._filtered: list[tuple[str, int]] = []
+        self._limbo: dict[str, int] = {}
+        """Ids (-> group_seq) of filtered groups, consumed at the next :meth:`pop_dropped`."""
         self._groups: collections.OrderedDict[str, Group] = collections.OrderedDict()
         self._size = 0
         self._cond = threading.Condition()
@@ -129,6 +160,9 @@ class ExperienceBuffer:
             if self._consumed_locked(traj):
                 self.stats.already_consumed += 1
                 return Added.CONSUMED
+            if traj.trajectory_id in self._limbo:
+                self.stats.duplicates += 1
+                return Added.DUPLICATE
             group = self._groups.get(traj.prompt_id)
             if group is not None and traj.group_size != group.group_size:
                 self.stats.mismatched += 1
@@ -143,13 +177,14 @@ class ExperienceBuffer:
                 self.stats.dropped_full += 1
                 return Added.FULL
             if group is None:
-                group = self._groups[traj.prompt_id] = Group(traj.prompt_id, traj.group_size)
+                group = self._groups[traj.prompt_id] = Group(traj.prompt_id, traj.group_size,
+                                                             group_seq=traj.group_seq)
             group.members[traj.sample_index] = traj
             self._size += 1
             if traj.reward_error is not None:
                 self.stats.reward_errors += 1
             if group.complete:
-                self._cond.notify_all()
+                self._completed_locked(group)
             return Added.YES
 
     def known(self, traj: Trajectory) -> Added | None:
@@ -163,7 +198,8 @@ class ExperienceBuffer:
                 return Added.CONSUMED
             group = self._groups.get(traj.prompt_id)
             held = group.members.get(traj.sample_index) if group is not None else None
-            if held is not None and held.trajectory_id == traj.trajectory_id:
+            if traj.trajectory_id in self._limbo or \
+                    (held is not None and held.trajectory_id == traj.trajectory_id):
                 self.stats.received += 1
                 self.stats.duplicates += 1
                 return Added.DUPLICATE
@@ -189,10 +225,19 @@ class ExperienceBuffer:
                                             or traj.sample_index in group.members)):
                 return  # its group fields are what is wrong: they say nothing of a group
             if group is None:
-                group = self._groups[traj.prompt_id] = Group(traj.prompt_id, traj.group_size)
+                group = self._groups[traj.prompt_id] = Group(traj.prompt_id, traj.group_size,
+                                                             group_seq=traj.group_seq)
             group.failed.add(traj.sample_index)
             if group.complete:
-                self._cond.notify_all()
+                self._completed_locked(group)
+
+    def _completed_locked(self, group: Group) -> None:
+        """``group`` just completed (caller holds the lock): wake the trainer, or mark it
+        for dropping when dynamic sampling finds it uninformative."""
+        if self.dynamic_sampling and not group.informative:
+            self._uninformative[group.prompt_id] = None
+        else:
+            self._cond.notify_all()
 
     def consumed_state(self) -> tuple[list[tuple[str, int]], int, dict[str, str]]:
         """``(consumed.items(), watermark, failed)`` read under the lock (for a checkpoint)."""
@@ -200,26 +245,60 @@ class ExperienceBuffer:
             return self.consumed.items(), self.consumed.watermark, dict(self.consumed.failed)
 
     def pop_dropped(self) -> list[str]:
-        """Ids consumed without training (stale groups) since the last call."""
+        """Ids consumed without training (stale or filtered groups) since the last call.
+        A filtered group's ids become consumed here: call it where they are logged."""
         with self._cond:
-            out, self._dropped = self._dropped, []
+            for tid, seq in self._limbo.items():
+                self.consumed.add(tid, seq)
+            out = self._dropped + list(self._limbo)
+            self._dropped, self._limbo = [], {}
             return out
 
-    def ready_groups(self) -> int:
+    def pop_filtered(self) -> list[tuple[str, int]]:
+        """Drop the complete uninformative groups now (dynamic sampling: their ids go to
+        :meth:`pop_dropped`) and return ``(prompt_id, group_seq)`` of every group
+        filtered since the last call (by this call or by :meth:`take`)."""
         with self._cond:
-            return sum(1 for g in self._groups.values() if g.complete)
+            self._filter_locked()
+            out, self._filtered = self._filtered, []
+            return out
+
+    def _filter_locked(self) -> None:
+        for prompt_id in self._uninformative:
+            group = self._groups.get(prompt_id)
+            if group is None or not group.complete:
+                continue
+            del self._groups[prompt_id]
+            self._size -= len(group.members)
+            for traj in group.trajectories():
+                self._limbo[traj.trajectory_id] = traj.group_seq
+            self._filtered.append((prompt_id, group.group_seq))
+            self.stats.filtered += 1
+        self._uninformative = {}
+
+    def _ready(self, group: Group) -> bool:
+        return group.complete and (not self.dynamic_sampling or group.informative)
+
+    def ready_groups(self) -> int:
+        """Complete groups buffered that :meth:`take` would hand out (or drop as stale)."""
+        with self._cond:
+            return sum(1 for g in self._groups.values() if self._ready(g))
 
     def wait_ready(self, n_groups: int, timeout_s: float) -> bool:
-        """Block until ``n_groups`` complete groups are buffered, or the timeout."""
+        """Block until ``n_groups`` groups are ready (see :meth:`ready_groups`), or the
+        timeout."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: sum(1 for g in self._groups.values() if g.complete) >= n_groups,
+                lambda: sum(1 for g in self._groups.values() if self._ready(g)) >= n_groups,
                 timeout=timeout_s)
 
     def take(self, n_groups: int, trainer_version: int) -> list[Group]:
-        """Hand out up to ``n_groups`` complete groups (oldest first) per the policy."""
+        """Hand out up to ``n_groups`` complete groups (oldest first) per the policy;
+        with dynamic sampling, uninformative ones are dropped first (see
+        :meth:`pop_filtered`)."""
         out: list[Group] = []
         with self._cond:
+            self._filter_locked()
             for prompt_id in list(self._groups):
                 if len(out) >= n_groups:
                     break

@@ -10,8 +10,10 @@ Checks, in order: group fields (``group_size`` >= 1, ``0 <= sample_index <
 group_size``, a watermark ``settled_below`` not past its own ``group_seq``),
 a non-empty prompt and response, as many behaviour log-probs
 as response tokens, token ids inside the model's vocabulary, a finite reward,
-finite log-probs that are <= 0, and a policy version the trainer has
-published (``0 <= policy_version <= trainer_version``). Consistency with the
+finite log-probs that are <= 0, a positive sampling temperature (the
+trainer's, if it fixes one), a policy version the trainer has published
+(``0 <= policy_version <= trainer_version``), and a ``data_source`` of at most
+:data:`MAX_DATA_SOURCE_CHARS` characters (it becomes a metrics label). Consistency with the
 group's other members (same ``group_size``) is checked by the buffer, which
 holds them.
 """
@@ -23,12 +25,15 @@ from dataclasses import dataclass
 
 from laminar_common.codec import Trajectory
 
-__all__ = ["Invalid", "check_trajectory", "REASONS"]
+__all__ = ["Invalid", "check_trajectory", "REASONS", "MAX_DATA_SOURCE_CHARS"]
 
 REASONS = ("bad-group", "empty-prompt", "empty-response", "length-mismatch",
            "token-out-of-range", "non-finite-reward", "bad-logprob", "bad-version",
-           "group-mismatch", "bad-sampling")
+           "group-mismatch", "bad-sampling", "bad-data-source")
 """Every reason a trajectory can be rejected for (metrics labels)."""
+
+MAX_DATA_SOURCE_CHARS = 200
+"""Longest ``data_source`` a trajectory may carry (workers send a longer one as "")."""
 
 _LOGPROB_SLACK = 1e-3
 """Log-probs a little above 0 are float rounding of a probability of 1."""
@@ -107,4 +112,8 @@ def check_trajectory(traj: Trajectory, vocab_size: int | None = None,
                                    and traj.policy_version > trainer_version):
         return Invalid("bad-version", f"{who}: policy version {traj.policy_version} but the "
                                       f"trainer has published up to {trainer_version}")
+    if len(traj.data_source) > MAX_DATA_SOURCE_CHARS:
+        return Invalid("bad-data-source", f"{who}: data_source of {len(traj.data_source)} "
+                                          f"characters (at most {MAX_DATA_SOURCE_CHARS}; it "
+                                          "names the dataset, for per-source metrics)")
     return None
