@@ -1,6 +1,8 @@
 """Run by test_distributed.py under ``torchrun --nproc-per-node 2`` (gloo, CPU).
 
-Rank 0 drives the followers with the same ``DistContext`` calls as
+First every rank takes one ``train_step`` itself on the first step's groups with
+``grads_config.json`` (no clipping) and rank 0 writes the full gradient it left
+(``grads.safetensors``). Then rank 0 drives the followers with the same ``DistContext`` calls as
 ``TrainerService`` (send_step, gather_for_publish, gather_for_checkpoint,
 send_eval, then STOP); ranks > 0 run ``run_follower``. Rank 0 writes what
 the test compares: the gathered weights after the steps, the losses, the eval
@@ -26,15 +28,24 @@ from laminar_trainer.step import train_step
 
 def main(model_dir: str, groups_file: str, out: str) -> int:
     cfg = TrainerConfig(**json.loads(Path(out, "config.json").read_text()))
-    ctx = init_distributed("cpu", cfg.batch_groups, 300)
+    ctx = init_distributed("cpu", cfg.batch_groups, 300, cfg.optim.mini_batches)
     assert ctx is not None and ctx.world_size == 2
+    steps = [decode_groups(p) for p in msgspec.msgpack.decode(Path(groups_file).read_bytes())]
     try:
+        grads_cfg = TrainerConfig(**json.loads(Path(out, "grads_config.json").read_text()))
+        torch.manual_seed(grads_cfg.seed)
+        probe = build_training(grads_cfg, ctx)
+        train_step(probe.model, probe.optimizer, probe.scheduler, steps[0], grads_cfg, dist=ctx)
+        grads = {name: p.grad.full_tensor() for name, p in probe.model.named_parameters()}
+        if ctx.is_main:
+            save_file({k: v.contiguous() for k, v in grads.items()},
+                      str(Path(out, "grads.safetensors")))
+        del probe
         if not ctx.is_main:
             return run_follower(cfg, ctx)
         torch.manual_seed(cfg.seed)
         training = build_training(cfg, ctx)
         ctx.broadcast_int(-1)  # no checkpoint to restore (what restore_training sends)
-        steps = [decode_groups(p) for p in msgspec.msgpack.decode(Path(groups_file).read_bytes())]
         losses = []
         for groups in steps:
             result = train_step(training.model, training.optimizer, training.scheduler,

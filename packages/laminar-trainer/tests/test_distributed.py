@@ -36,20 +36,21 @@ def _free_port() -> int:
 
 
 def _groups(step: int, n_groups: int = 4, size: int = 2) -> list[Group]:
-    # Equal response lengths: a token mean over any equal split of the batch is then
-    # the mean over the whole batch, so two ranks and two micro-batches agree exactly.
+    # Unequal response lengths (1 to 12 tokens): a token mean over a split batch is the
+    # whole batch's only if each part is normalised by the whole batch's token count.
     gen = torch.Generator().manual_seed(step)
     out = []
     for g in range(n_groups):
         trajs = {}
         for i in range(size):
-            resp = tuple(int(x) for x in torch.randint(4, 30, (5,), generator=gen))
+            n = int(torch.randint(1, 13, (1,), generator=gen))
+            resp = tuple(int(x) for x in torch.randint(4, 30, (n,), generator=gen))
             trajs[i] = Trajectory(
                 trajectory_id=f"s{step}g{g}#{i}", prompt_id=f"s{step}g{g}", group_size=size,
                 sample_index=i, worker_id="w", policy_version=0,
                 prompt_token_ids=(1, 10 + g, 11, 12), response_token_ids=resp,
-                behaviour_logprobs=tuple(float(x) for x in -torch.rand(5, generator=gen) - 2.5),
-                reward=float((g + i) % 2), finish_reason="stop")
+                behaviour_logprobs=tuple(float(x) for x in -torch.rand(n, generator=gen) - 2.5),
+                reward=float((g + i) % 2 + 0.5 * i * (g % 3)), finish_reason="stop")
         out.append(Group(f"s{step}g{g}", size, trajs))
     return out
 
@@ -84,12 +85,21 @@ def test_uneven_batch_groups_are_refused_before_joining(monkeypatch):
     assert init_distributed("cpu", 4) is None
 
 
+def _grads(training) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in training.model.named_parameters()}
+
+
 def test_two_ranks_make_the_same_update_as_one_process(model_dir, tmp_path):
-    cfg = {"model_dir": model_dir, "batch_groups": 4, "optim": {"lr": 1e-2}, "seed": 3,
-           "eval": {"max_new_tokens": 8}}
+    # Two PPO mini-batches (one group per rank each) and two epochs: four updates per
+    # step, the later ones clipped against the proximal log-probs of the step's start.
+    cfg = {"model_dir": model_dir, "batch_groups": 4, "seed": 3, "eval": {"max_new_tokens": 8},
+           "optim": {"lr": 1e-2, "mini_batches": 2, "epochs": 2}}
+    grads_cfg = {"model_dir": model_dir, "batch_groups": 4, "seed": 3,
+                 "optim": {"lr": 1e-2, "grad_clip": 1e9}}
     out = tmp_path / "ranks"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(cfg))
+    (out / "grads_config.json").write_text(json.dumps(grads_cfg))
     steps = [_groups(s) for s in range(2)]
     groups_file = tmp_path / "groups.msgpack"
     groups_file.write_bytes(msgspec.msgpack.encode([encode_groups(g) for g in steps]))
@@ -105,9 +115,28 @@ def test_two_ranks_make_the_same_update_as_one_process(model_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
 
-    # The same two steps in one process, the batch split in two micro-batches.
+    # The gradient of one unsplit batch with unequal lengths, by every aggregation's
+    # rule: two ranks, and one process in micro-batches of one group, give the same.
+    rank_grads = load_file(str(out / "grads.safetensors"))
     torch.manual_seed(3)
-    single_cfg = TrainerConfig(**{**cfg, "optim": {"lr": 1e-2, "micro_batch_groups": 2}})
+    whole = build_training(TrainerConfig(**grads_cfg), None)
+    train_step(whole.model, whole.optimizer, whole.scheduler, steps[0],
+               TrainerConfig(**grads_cfg))
+    micro_cfg = TrainerConfig(**{**grads_cfg, "optim": {**grads_cfg["optim"],
+                                                        "micro_batch_groups": 1}})
+    torch.manual_seed(3)
+    micro = build_training(micro_cfg, None)
+    train_step(micro.model, micro.optimizer, micro.scheduler, steps[0], micro_cfg)
+    expected_grads, micro_grads = _grads(whole), _grads(micro)
+    assert set(rank_grads) == set(expected_grads)
+    for name, grad in expected_grads.items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(rank_grads[name], grad, atol=1e-5, rtol=0), name
+        assert torch.allclose(micro_grads[name], grad, atol=1e-5, rtol=0), name
+
+    # The same two steps in one process, each mini-batch split in micro-batches.
+    torch.manual_seed(3)
+    single_cfg = TrainerConfig(**{**cfg, "optim": {**cfg["optim"], "micro_batch_groups": 1}})
     single = build_training(single_cfg, None)
     losses = [train_step(single.model, single.optimizer, single.scheduler, g, single_cfg).loss
               for g in steps]
@@ -136,7 +165,8 @@ def test_two_ranks_make_the_same_update_as_one_process(model_dir, tmp_path):
     for idx in mine:
         assert torch.allclose(mine[idx]["exp_avg"], theirs[idx]["exp_avg"], atol=1e-5)
         assert torch.allclose(mine[idx]["exp_avg_sq"], theirs[idx]["exp_avg_sq"], atol=1e-6)
-        assert float(mine[idx]["step"]) == float(theirs[idx]["step"]) == 2.0
+        # four optimizer updates per trainer step (2 mini-batches x 2 epochs)
+        assert float(mine[idx]["step"]) == float(theirs[idx]["step"]) == 8.0
     assert resumed.scheduler.last_epoch == single.scheduler.last_epoch == 2
 
 

@@ -35,6 +35,10 @@ def cfg_dir(tmp_path_factory):
     (["simulate.step_s=-1"], "simulate.step_s"),
     (["device=tpu"], "device"),
     (["batch_groups=0"], "batch_groups"),
+    (["loss.algorithm=ppo"], "loss.algorithm"),
+    (["loss.aggregation=sum"], "loss.aggregation"),
+    (["optim.mini_batches=0"], "optim.mini_batches"),
+    (["optim.epochs=0"], "optim.epochs"),
 ])
 def test_a_bad_field_names_its_full_path(items, field):
     with pytest.raises(ConfigError) as info:
@@ -50,3 +54,19 @@ def test_a_bad_field_in_a_file_names_the_file_and_the_path(cfg_dir):
     text = str(info.value)
     assert str(path) in text and "\n  optim.lr: " in text
     assert "\n  tracking.wandb.projet: unknown field; did you mean 'project'?" in text
+
+
+def test_mini_batches_that_do_not_divide_the_step_are_named():
+    with pytest.raises(ConfigError, match=r"optim.mini_batches \(3\) must divide batch_groups "
+                                          r"\(8\)"):
+        load_config(TrainerConfig, None, ["simulate.step_s=0", "optim.mini_batches=3"], env={})
+
+
+def test_an_algorithm_sets_its_defaults_and_an_explicit_value_wins():
+    gspo = load_config(TrainerConfig, None, ["simulate.step_s=0", "loss.algorithm=gspo"],
+                       env={})
+    assert (gspo.loss.clip_low, gspo.loss.clip_high, gspo.loss.aggregation) == \
+        (3e-4, 4e-4, "seq-mean-token-mean")
+    mine = load_config(TrainerConfig, None, ["simulate.step_s=0", "loss.algorithm=dr_grpo",
+                                             "loss.aggregation=token-mean"], env={})
+    assert mine.loss.aggregation == "token-mean" and mine.loss.clip_high == 0.28

@@ -7,9 +7,12 @@ import torch
 
 from laminar_trainer.loss import (
     aggregate_token_losses,
+    aggregation_denominator,
+    compute_advantages,
     compute_grpo_advantages,
     compute_kl_penalty,
     compute_policy_loss,
+    compute_rloo_advantages,
 )
 
 LOG = math.log
@@ -92,6 +95,42 @@ def test_aggregation_of_empty_mask_is_zero_and_differentiable():
         assert out.item() == 0.0
         assert torch.equal(losses.grad, torch.zeros(2, 3))
         losses.grad = None
+
+
+def test_rloo_advantages_by_hand():
+    adv = compute_rloo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]]))
+    # r_i - mean of the other three: 1 - 1/3, 0 - 2/3
+    assert torch.allclose(adv, torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [0.0] * 4]))
+    flat = compute_advantages(torch.tensor([3.0, 1.0, 5.0]), ["a", "a", "b"], "rloo")
+    assert torch.allclose(flat, torch.tensor([2.0, -2.0, 0.0]))  # a lone member: 0
+    centred = compute_advantages(torch.tensor([3.0, 1.0]), ["a", "a"], "dr_grpo")
+    assert torch.allclose(centred, torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        compute_advantages(torch.tensor([1.0]), ["a"], "ppo")
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean",
+                                         "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_split_batches_sum_to_the_whole_with_the_whole_denominator(aggregation):
+    torch.manual_seed(1)
+    losses = torch.randn(5, 7, dtype=torch.float64)
+    mask = torch.zeros(5, 7, dtype=torch.bool)
+    for row, n in enumerate((7, 1, 0, 4, 2)):  # unequal lengths, one empty row
+        mask[row, :n] = True
+    whole = aggregate_token_losses(losses, mask, aggregation, norm_tokens=8)
+    denominator = aggregation_denominator(mask, aggregation, norm_tokens=8)
+    parts = sum(aggregate_token_losses(losses[i:j], mask[i:j], aggregation,
+                                       denominator=denominator, norm_tokens=8)
+                for i, j in ((0, 2), (2, 3), (3, 5)))
+    assert float(parts) == pytest.approx(float(whole), abs=1e-12)
+    # the parts' own means are not the whole's (the defect this replaces)
+    naive = sum(aggregate_token_losses(losses[i:j], mask[i:j], aggregation, norm_tokens=8)
+                * (j - i) / 5 for i, j in ((0, 2), (2, 3), (3, 5)))
+    assert float(naive) != pytest.approx(float(whole), abs=1e-3)
+    if aggregation == "seq-mean-token-sum-norm":
+        assert denominator == 4 * 8  # four rows with a token, times the constant
+        with pytest.raises(ValueError, match="needs norm_tokens"):
+            aggregate_token_losses(losses, mask, aggregation)
 
 
 def test_unknown_aggregation_raises():

@@ -22,10 +22,14 @@ from laminar_trainer import service as service_module
 from laminar_trainer.config import TrackingConfig, TrainerConfig
 from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.service import TrainerService
-from laminar_trainer.tracking import MultiTracker, flatten_scalars, make_trackers
+from laminar_trainer.tracking import MultiTracker, flatten_scalars, make_trackers, markdown_table
 
 ROW = {"step": 1, "loss": 0.5, "tokens": 12, "simulated": True, "note": "text", "eval": None,
        "staleness_hist": {0: 3, 2: 1}, "buffer": {"received": 4, "staleness": {1: 2}}}
+SAMPLES = [{"step": 2, "trajectory_id": "p#1", "reward": 1.0, "reward_error": None,
+            "completion": "<eos> a|b\n*c*"},
+           {"step": 2, "trajectory_id": "p#0", "reward": 0.0, "reward_error": "timeout",
+            "completion": "wrong"}]
 
 
 class RecordingTracker:
@@ -42,6 +46,17 @@ class RecordingTracker:
         self.closed += 1
 
 
+class SampleRecordingTracker(RecordingTracker):
+    name = "samples"
+
+    def __init__(self):
+        super().__init__()
+        self.samples: list[tuple[int, list[dict]]] = []
+
+    def log_samples(self, step, rows):
+        self.samples.append((step, rows))
+
+
 class FailingTracker:
     name = "failing"
 
@@ -49,6 +64,10 @@ class FailingTracker:
         self.calls = 0
 
     def log(self, step, metrics):
+        self.calls += 1
+        raise RuntimeError("tracker backend is down")
+
+    def log_samples(self, step, rows):
         self.calls += 1
         raise RuntimeError("tracker backend is down")
 
@@ -81,6 +100,34 @@ def test_a_failing_tracker_is_warned_counted_and_the_others_still_log(caplog):
     trackers.log(3, {"loss": 0.1})
     trackers.close()
     assert bad.calls == 2 and len(ok.rows) == 2 and ok.closed == 1, "nothing after close"
+
+
+def test_samples_go_to_trackers_that_take_them_and_a_failing_one_is_counted(caplog):
+    plain, takes, bad = RecordingTracker(), SampleRecordingTracker(), FailingTracker()
+    trackers = MultiTracker([bad, plain, takes])
+    with caplog.at_level(logging.WARNING, logger="laminar_trainer.tracking"):
+        trackers.log_samples(2, SAMPLES)
+        trackers.log_samples(4, SAMPLES[1:])
+        trackers.log_samples(6, [])
+    assert [(step, [r["trajectory_id"] for r in rows]) for step, rows in takes.samples] == [
+        (2, ["p#1", "p#0"]), (4, ["p#0"])]
+    assert plain.rows == [], "a tracker without log_samples is skipped, not an error"
+    assert trackers.errors == 2 and bad.calls == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings[0].startswith("tracker failing failed to log samples at step 2")
+    trackers.close()
+    trackers.log_samples(8, SAMPLES)
+    assert len(takes.samples) == 2 and bad.calls == 2, "nothing after close"
+
+
+def test_markdown_table_keeps_every_cell_in_its_cell_and_literal():
+    assert markdown_table(SAMPLES).splitlines() == [
+        "| step | trajectory\\_id | reward | reward\\_error | completion |",
+        "|---|---|---|---|---|",
+        "| 2 | p#1 | 1.0 |  | &lt;eos&gt; a\\|b<br>\\*c\\* |",
+        "| 2 | p#0 | 0.0 | timeout | wrong |",
+    ]
+    assert markdown_table([]) == ""
 
 
 @pytest.mark.parametrize("module,field,section", [
@@ -134,10 +181,14 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
     for step in (1, 2, 3):
         trackers.log(step, {"loss": 1.0 / step, "simulated": step == 2, "note": "skipped",
                             "staleness_hist": {0: step}})
+    trackers.log_samples(2, SAMPLES)
     trackers.close()
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["loss", "simulated", "staleness_hist/0"]
+    (text,) = events.Tensors("samples/text_summary")
+    assert text.step == 2
+    assert text.tensor_proto.string_val[0].decode() == markdown_table(SAMPLES)
     loss = [(e.step, e.value) for e in events.Scalars("loss")]
     assert [s for s, _ in loss] == [1, 2, 3]
     assert [v for _, v in loss] == pytest.approx([1.0, 0.5, 1 / 3])
@@ -194,6 +245,8 @@ def test_wandb_offline_run_holds_config_and_history(tmp_path, wandb_offline):
     assert [t.name for t in trackers.trackers] == ["wandb"]
     for step in (1, 2, 3):
         trackers.log(step, {"loss": 1.0 / step, "simulated": True})
+        if step == 2:
+            trackers.log_samples(step, SAMPLES)
     trackers.close()
     assert trackers.errors == 0
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
@@ -207,6 +260,12 @@ def test_wandb_offline_run_holds_config_and_history(tmp_path, wandb_offline):
     history = [_items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
     assert [(h["_step"], h["loss"], h["simulated"]) for h in history] == [
         (1, 1.0, 1.0), (2, 0.5, 1.0), (3, pytest.approx(1 / 3), 1.0)]
+    tables = [h for h in history if "samples/_type" in h]
+    assert [(h["_step"], h["samples/_type"], h["samples/nrows"]) for h in tables] == [
+        (2, "table-file", 2)]
+    table = json.loads((runs[0] / "files" / tables[0]["samples/path"]).read_text())
+    assert table["columns"] == list(SAMPLES[0])
+    assert table["data"] == [list(row.values()) for row in SAMPLES]
 
 
 # -- the service ------------------------------------------------------------------

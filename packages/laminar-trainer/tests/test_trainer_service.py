@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
+from laminar_common.codec import Ack, GroupsFiltered, Trajectory, TrajectoryRejected
 from laminar_common.membership import (
     InMemoryCoordinator,
     InMemoryEtcd,
@@ -49,7 +49,7 @@ class Harness:
         self.store = InMemoryEtcd()
         self.published: list[int] = []
         self.manager_coord = InMemoryCoordinator(self.store, JOB)
-        self.acks = ZmqPullReceiver(expect=(Ack, TrajectoryRejected))
+        self.acks = ZmqPullReceiver(expect=(Ack, TrajectoryRejected, GroupsFiltered))
         self.manager_coord.register(MemberRecord(member_id="manager", role="manager",
                                                  address="tcp://unused:1",
                                                  extra={"ack": self.acks.endpoint}))
@@ -59,6 +59,7 @@ class Harness:
                                  optim={"lr": 1e-3}, **overrides)
         self.acked: list[str] = []
         self.rejections: list[TrajectoryRejected] = []
+        self.filtered: list[str] = []
 
     def start(self, resume=False):
         svc = TrainerService(self.cfg, publish_fn=self._publish,
@@ -84,6 +85,8 @@ class Harness:
             msg = self.acks.recv(timeout_s=0.05)
             if isinstance(msg, TrajectoryRejected):
                 self.rejections.append(msg)
+            elif isinstance(msg, GroupsFiltered):
+                self.filtered.extend(msg.prompt_ids)
             elif msg is not None:
                 self.acked.extend(msg.trajectory_ids)
 
@@ -363,3 +366,73 @@ def test_the_final_model_is_saved_without_checkpoints_and_publishes_are_bf16(tmp
     for name, tensor in trained.items():
         assert torch.equal(saved.state_dict()[name], tensor), name
     assert (final / "tokenizer.json").is_file() and not list(final.glob("optimizer*"))
+
+
+def _uniform(prompt_id, n=2, reward=1.0):
+    return [msgspec.structs.replace(t, reward=reward) for t in _trajs(prompt_id, n)]
+
+
+def test_dynamic_sampling_trains_only_informative_groups_and_tells_the_manager(
+        tmp_path, model_dir):
+    """Uniform groups are dropped before the step, logged as dropped, acked once
+    durable, counted, and named to the manager at once; a new manager incarnation
+    is told again (it credits each group once)."""
+    h = Harness(tmp_path, model_dir, total_steps=3, buffer={"dynamic_sampling": True})
+    svc = h.start()
+    try:
+        h.send(svc, _uniform("u1") + _trajs("a") + _uniform("u2", reward=0.0) + _trajs("b"))
+        assert _wait(lambda: svc.step == 1, 30)
+        # The notices come while the trainer waits (no step needed), before any ack.
+        h.send(svc, _uniform("u3") + _trajs("c"))
+        assert _wait(lambda: (h.drain_acks(0.1), sorted(h.filtered))[1] == ["u1", "u2", "u3"],
+                     10), h.filtered
+        assert h.acked == []  # step 1 is not checkpointed yet
+        h.send(svc, _trajs("d"))
+        assert _wait(lambda: svc.step == 2, 30)
+        h.drain_acks(0.5)  # step 2 is checkpointed: everything so far is acked
+        assert sorted(h.acked) == sorted([f"{p}#{i}" for p in ("a", "b", "c", "d", "u1", "u2",
+                                                               "u3") for i in range(2)])
+        rows = [json.loads(x) for x in
+                (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
+        assert sorted(i for r in rows for i in r["ids"]) == \
+            sorted(f"{p}#{i}" for p in "abcd" for i in range(2))
+        assert sorted(i for r in rows for i in r.get("dropped", ())) == \
+            sorted(f"u{k}#{i}" for k in (1, 2, 3) for i in range(2))
+        assert svc.buffer.stats.filtered == 3 and svc.summary()["buffer"]["filtered"] == 3
+        # Step 1 accounted u1 and u2 (complete before b), step 2 u3 (filtered while
+        # the trainer waited after step 1).
+        assert svc._filtered_last_step == 1
+
+        # The manager restarts elsewhere: it is told every filtered group again.
+        h.manager_coord.close()
+        new_acks = ZmqPullReceiver(expect=(Ack, GroupsFiltered))
+        new_coord = InMemoryCoordinator(h.store, JOB)
+        new_coord.register(MemberRecord(member_id="manager", role="manager",
+                                        address="tcp://unused:2",
+                                        extra={"ack": new_acks.endpoint}))
+        told: list[str] = []
+
+        def arrived():
+            msg = new_acks.recv(timeout_s=0.1)
+            if isinstance(msg, GroupsFiltered):
+                told.extend(msg.prompt_ids)
+            return sorted(told) == ["u1", "u2", "u3"]
+
+        assert _wait(arrived, 10), told
+        new_coord.close()
+        new_acks.close()
+    finally:
+        svc.close()
+
+
+def test_dynamic_sampling_off_trains_uniform_groups(tmp_path, model_dir):
+    h = Harness(tmp_path, model_dir, total_steps=1)
+    svc = h.start()
+    try:
+        h.send(svc, _uniform("u1") + _trajs("a"))
+        assert _wait(lambda: svc.finished.is_set(), 30)
+        h.drain_acks(0.3)
+        assert h.filtered == [] and svc.buffer.stats.filtered == 0
+        assert svc._filtered_last_step == 0
+    finally:
+        svc.close()

@@ -75,7 +75,8 @@ def _run(path: str | None, overrides: tuple[str, ...], resume: bool, print_confi
     from .distributed import init_distributed
 
     try:
-        dist = init_distributed(config.device, config.batch_groups, config.wait_timeout_s + 600)
+        dist = init_distributed(config.device, config.batch_groups, config.wait_timeout_s + 600,
+                                config.optim.mini_batches)
     except LaminarError as exc:
         print(f"laminar-trainer run: {exc}", file=sys.stderr)
         return 2

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from laminar_common.config import (
     AuthConfig,
@@ -19,7 +19,7 @@ from laminar_common.config import (
 from laminar_common.data.records import DataConfig
 
 __all__ = ["TrainerConfig", "BufferConfig", "LossConfig", "OptimConfig", "CheckpointConfig",
-           "EvalConfig", "SimulateConfig", "TrackingConfig", "TensorBoardConfig", "WandbConfig"]
+           "EvalConfig", "SamplesConfig", "SimulateConfig", "TrackingConfig", "TensorBoardConfig", "WandbConfig"]
 
 
 class BufferConfig(LaminarModel):
@@ -37,23 +37,85 @@ class BufferConfig(LaminarModel):
     """What happens to a group beyond max_staleness."""
     downweight: float = Field(default=0.5, ge=0, le=1)
     """Advantage scale of a down-weighted group."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: a complete group whose rewards are all equal (zero
+    advantage: it teaches nothing) is dropped before the step, counted
+    (``groups_filtered``), and the step waits for ``batch_groups`` informative groups;
+    the manager is told, and generates that many more groups."""
+
+
+ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo")
+
+# What each algorithm sets when the config leaves a field out (an explicit value wins).
+_ALGORITHM_DEFAULTS: dict[str, dict[str, object]] = {
+    "grpo": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean"},
+    "dr_grpo": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "seq-mean-token-sum-norm"},
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq-mean-token-mean"},
+    "rloo": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean"},
+}
 
 
 class LossConfig(LaminarModel):
-    """The GRPO/PPO objective (see laminar_trainer.loss)."""
+    """The policy objective (see laminar_trainer.loss).
 
-    clip_low: float = Field(default=0.2, ge=0)
-    """Lower clip of the ratio (1 - clip_low)."""
+    ``algorithm`` picks the advantage estimator and the ratio, and the defaults of
+    ``clip_low``, ``clip_high`` and ``aggregation`` (a value given in the config wins;
+    ``--print-config`` shows what was resolved):
+
+    - ``grpo``: group-normalised advantages ``(r - mean) / (std + eps)``, per-token
+      ratio, token-mean (DAPO); clip 0.2 / 0.28.
+    - ``dr_grpo``: Dr. GRPO, advantages only centred (no std), per-token ratio,
+      ``seq-mean-token-sum-norm`` (token sums over a constant, ``norm_tokens``).
+    - ``gspo``: GSPO, group-normalised advantages, one length-normalised ratio per
+      sequence, clipped per sequence; seq-mean-token-mean; clip 3e-4 / 4e-4.
+    - ``rloo``: leave-one-out baseline ``r_i - mean_{j != i} r_j``, per-token ratio,
+      token-mean.
+    """
+
+    algorithm: Literal["grpo", "dr_grpo", "gspo", "rloo"] = "grpo"
+    """Advantage estimator and ratio (see above)."""
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    """Lower clip of the ratio (1 - clip_low). Default by algorithm: 0.2 (gspo 3e-4)."""
     clip_high: float = Field(default=0.28, ge=0)
-    """Upper clip of the ratio (1 + clip_high), DAPO clip-higher."""
+    """Upper clip of the ratio (1 + clip_high), DAPO clip-higher. Default by algorithm:
+    0.28 (gspo 4e-4)."""
     correction: Literal["decoupled", "tis", "none"] = "decoupled"
     """Off-policy correction against the behaviour log-probs."""
-    tis_cap: float = Field(default=2.0, gt=0)
+    tis_cap: float = Field(default=2.0, ge=1)
     """Truncation of the importance weight."""
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How token losses are reduced."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                         "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are reduced over a mini-batch (exactly, across micro-batches and
+    ranks). Default by algorithm: token-mean (dr_grpo seq-mean-token-sum-norm, gspo
+    seq-mean-token-mean)."""
+    norm_tokens: int | None = Field(default=None, ge=1)
+    """The constant of seq-mean-token-sum-norm (Dr. GRPO); unset: the generation budget,
+    the largest ``max_tokens`` the mini-batch's trajectories were sampled with."""
     kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of the KL to the initial (reference) policy; 0 turns it off."""
+    """Weight of the k3 KL to the initial (reference) policy; 0 turns it off."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of the entropy bonus (the loss minus entropy_coef x the mean token entropy,
+    aggregated like the policy loss); the entropy is a metric whatever its weight."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: completions cut at max_tokens (finish_reason "length")
+    are left out of the loss (they still count in their group's advantages)."""
+    overlong_buffer: int = Field(default=0, ge=0)
+    """DAPO soft overlong punishment: a completion in the last ``overlong_buffer`` tokens
+    of its ``max_tokens`` budget loses up to ``overlong_penalty`` reward, linearly in how
+    far it went into that zone (0: off). Applied before the advantages."""
+    overlong_penalty: float = Field(default=1.0, ge=0)
+    """Largest soft overlong penalty (reached at max_tokens)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        algorithm = data.get("algorithm", "grpo")
+        defaults = _ALGORITHM_DEFAULTS.get(algorithm) if isinstance(algorithm, str) else None
+        if defaults is None:
+            return data  # an unknown algorithm: the field's own error names it
+        return {**defaults, **data}
 
 
 class OptimConfig(LaminarModel):
@@ -69,8 +131,18 @@ class OptimConfig(LaminarModel):
     """Linear warm-up steps."""
     schedule: Literal["constant", "cosine"] = "constant"
     """LR after warm-up."""
+    mini_batches: int = Field(default=1, ge=1)
+    """PPO mini-batches per trainer step: the step's ``batch_groups`` are split into this
+    many equal mini-batches, one optimizer update each (``batch_groups`` must be a
+    multiple). The proximal log-probs are computed once per step before the first
+    update, so the clip acts from the second update on. One weight version per step."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the step's mini-batches (PPO epochs): ``mini_batches x epochs``
+    optimizer updates per trainer step."""
     micro_batch_groups: int = Field(default=0, ge=0)
-    """Groups per forward/backward (gradient accumulation); 0 = the whole step at once."""
+    """Groups per forward/backward on each rank (gradient accumulation inside a
+    mini-batch); 0 = the rank's whole mini-batch at once. The loss is normalised over the
+    whole mini-batch, so any split gives the same gradient."""
 
 
 class CheckpointConfig(LaminarModel):
@@ -110,6 +182,15 @@ class EvalConfig(LaminarModel):
     """A sampled completion passes when its reward is at least this."""
     seed: int = 0
     """Seed of the pass@k sampling (the same on every rank)."""
+
+
+class SamplesConfig(LaminarModel):
+    """Sample completions logged with their rewards (``samples.jsonl`` and trackers)."""
+
+    every_steps: int = Field(default=10, ge=0)
+    """Log samples every this many steps (0: never)."""
+    count: int = Field(default=4, ge=1)
+    """Completions logged each time (from the step's batch)."""
 
 
 class SimulateConfig(LaminarModel):
@@ -208,6 +289,8 @@ class TrainerConfig(LaminarModel):
     """Checkpoints."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation."""
+    samples: SamplesConfig = SamplesConfig()
+    """Sample completions in the run dir and the trackers."""
     run_dir: str = "runs/latest"
     """Metrics (metrics.jsonl), consumed-id log and summary go here."""
     tracking: TrackingConfig = TrackingConfig()
@@ -231,6 +314,13 @@ class TrainerConfig(LaminarModel):
         # Here, not when the model loads: a typo fails at once (and --print-config shows
         # it) with this field's path, not later as a Hugging Face "repo id" error.
         return value if value is None else check_model_dir(value)
+
+    @model_validator(mode="after")
+    def _mini_batches_divide(self) -> TrainerConfig:
+        if self.batch_groups % self.optim.mini_batches:
+            raise ValueError(f"optim.mini_batches ({self.optim.mini_batches}) must divide "
+                             f"batch_groups ({self.batch_groups})")
+        return self
 
     @property
     def final_model_dir(self) -> Path:

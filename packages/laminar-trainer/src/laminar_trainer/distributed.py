@@ -12,8 +12,9 @@ order. Rank 0 drives them with commands broadcast over the process group (a
 small header tensor, then a msgpack payload for a step's groups; nothing is
 pickled):
 
-- ``STEP``: every rank decodes the step's groups, trains on its shard
-  (``groups[rank::world]``); FSDP averages gradients during backward.
+- ``STEP``: every rank decodes the step's groups and trains on its share of
+  each mini-batch (``mini_batch[rank::world]``, see ``laminar_trainer.step``);
+  FSDP averages gradients during backward.
 - ``GATHER``: the full state dict is gathered to rank 0 (to publish weights).
 - ``CHECKPOINT``: full model and optimizer state are gathered to rank 0, which
   writes them (``laminar_trainer.checkpoint``).
@@ -32,8 +33,9 @@ Devices: ``cuda:<LOCAL_RANK>`` with NCCL when CUDA is there and
 ``device`` allows it, else CPU with gloo (this is how it is tested here). The
 commands always travel over gloo, on CPU tensors.
 
-Invariants: every rank sees the same command sequence; a step's groups split
-into equal shards (``batch_groups % world_size == 0``, checked at start); a
+Invariants: every rank sees the same command sequence; each mini-batch splits
+into equal shards (``batch_groups / mini_batches`` a multiple of the world
+size, checked at start); a
 single-process trainer (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) never touches
 torch.distributed.
 """
@@ -164,13 +166,10 @@ class DistContext:
     # -- rank 0's side of each command (the followers' side is run_follower) --------
 
     def send_step(self, groups: list[Group]) -> list[Group]:
-        """Rank 0: send a step's groups to every rank; returns rank 0's own shard."""
+        """Rank 0: send a step's groups to every rank; returns them (every rank trains
+        on the whole list: ``train_step`` takes each rank's share of every mini-batch)."""
         self.send_command(Command.STEP, encode_groups(groups))
-        return self.shard_of(groups)
-
-    def shard_of(self, groups: list[Group]) -> list[Group]:
-        """This rank's share of a step's groups."""
-        return groups[self.rank::self.world_size]
+        return groups
 
     def gather_for_publish(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Rank 0: the full weights (CPU) for a publish or the final save; the followers
@@ -212,15 +211,17 @@ class DistContext:
         fully_shard(model, mesh=self.mesh, **kwargs)
         return model
 
-    def mean_over_ranks(self, loss: float, stats: dict[str, float]) -> tuple[float, dict]:
-        """Average a step's loss and stats over the ranks (same keys on every rank)."""
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """``values`` summed (``"sum"``) or maxed (``"max"``) over the ranks, element-wise
+        (the same length on every rank), in float64."""
         import torch.distributed as dist
 
-        keys = sorted(stats)
-        values = torch.tensor([loss, *(stats[k] for k in keys)], dtype=torch.float64)
-        dist.all_reduce(values, group=self.cpu_group)
-        values /= self.world_size
-        return float(values[0]), {k: float(v) for k, v in zip(keys, values[1:])}
+        if not values:
+            return []
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=reduce_op, group=self.cpu_group)
+        return [float(v) for v in tensor]
 
     def full_model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Collective: the unsharded state dict on rank 0 (CPU tensors), ``{}`` elsewhere."""
@@ -259,15 +260,15 @@ class DistContext:
 
 
 def init_distributed(device_setting: str, batch_groups: int,
-                     timeout_s: float = 1800.0) -> DistContext | None:
+                     timeout_s: float = 1800.0, mini_batches: int = 1) -> DistContext | None:
     """Join the process group if started by torchrun with ``WORLD_SIZE`` > 1; else None.
 
     ``timeout_s`` bounds every collective, including followers waiting for
     rank 0's next command while it waits for data.
 
     Raises:
-        LaminarError: ``batch_groups`` does not split evenly over the ranks, or
-            the device setting cannot be honoured.
+        LaminarError: a mini-batch (``batch_groups / mini_batches`` groups) does not
+            split evenly over the ranks, or the device setting cannot be honoured.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
@@ -277,6 +278,10 @@ def init_distributed(device_setting: str, batch_groups: int,
     if batch_groups % world:
         raise LaminarError(f"trainer config: batch_groups ({batch_groups}) must be a multiple "
                            f"of the number of trainer ranks ({world})")
+    if (batch_groups // mini_batches) % world:
+        raise LaminarError(f"trainer config: a mini-batch (batch_groups {batch_groups} / "
+                           f"optim.mini_batches {mini_batches}) must be a multiple of the "
+                           f"number of trainer ranks ({world})")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-__all__ = ["compute_token_logprobs", "encode_prompts", "model_device", "pack_sequences"]
+__all__ = ["compute_token_logprobs", "compute_token_logprobs_and_entropy", "encode_prompts",
+           "model_device", "pack_sequences"]
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str]) -> list[list[int]]:
@@ -70,12 +71,39 @@ def compute_token_logprobs(
         column 0 (no prefix) is 0. Align with ``completion_mask`` from
         ``pack_sequences`` to select completion tokens.
     """
+    return _logprobs(model, input_ids, attention_mask, temperature, entropy=False)[0]
+
+
+def compute_token_logprobs_and_entropy(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    *,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_token_logprobs` and the entropy of each position's next-token
+    distribution at the same temperature (``[B, T]`` each, aligned alike: entry ``t``
+    is the entropy of the distribution token ``t`` was drawn from; column 0 is 0).
+
+    ``entropy_grad=False`` computes the entropy without a graph (a metric only).
+    """
+    return _logprobs(model, input_ids, attention_mask, temperature, entropy=True,
+                     entropy_grad=entropy_grad)
+
+
+def _logprobs(model, input_ids, attention_mask, temperature, *, entropy: bool,
+              entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.to(logits.device, torch.float32).view(-1, 1, 1)
     logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return F.pad(picked, (1, 0), value=0.0)
+    ent = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = F.pad(-(logprobs.exp() * logprobs).sum(-1), (1, 0), value=0.0)
+    return F.pad(picked, (1, 0), value=0.0), ent
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

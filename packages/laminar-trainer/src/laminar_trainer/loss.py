@@ -37,17 +37,37 @@ trajectory arrived. Decoupling measures the trust region against the current
 weights (so each step is bounded whatever the staleness) and moves the
 staleness into the importance weight, which truncation keeps low-variance.
 
+Ratio level (``ratio_level=``): ``"token"`` (PPO, GRPO) or ``"sequence"``
+(GSPO, Zheng et al. 2025): one length-normalised ratio per sequence,
+``s = exp(mean_t log(pi / anchor))``, clipped per sequence; written per token
+as ``sg(s) * pi_t / sg(pi_t)`` (GSPO-token), whose value is ``s`` and whose
+gradient under seq-mean-token-mean is exactly the sequence objective's. The
+importance weight of ``"decoupled"`` is then per sequence too,
+``min(exp(mean_t log(pi_prox / mu)), tis_cap)``.
+
 Aggregation (``aggregation=``), over tokens where ``mask`` is true:
 ``"token-mean"`` (every token counts equally, DAPO), ``"seq-mean-token-mean"``
 (mean per sequence, then mean over sequences, original GRPO),
-``"seq-mean-token-sum"`` (sum per sequence, mean over sequences, Dr. GRPO
-without a constant). Rows with no masked token are left out of the sequence
-means; an all-false mask gives a zero loss that still backpropagates.
+``"seq-mean-token-sum"`` (sum per sequence, mean over sequences),
+``"seq-mean-token-sum-norm"`` (sum per sequence over a constant
+``norm_tokens``, mean over sequences: Dr. GRPO). Rows with no masked token are
+left out of the sequence means; an all-false mask gives a zero loss that still
+backpropagates.
 
-GRPO advantages are ``(r - mean_g) / (std_g + eps)`` per group, with the
-unbiased (Bessel) standard deviation as in the GRPO reference code (TRL,
-verl). A group whose rewards are all equal, or that has one member, gets
-exactly zero advantage.
+Exact aggregation over a split batch: every aggregation is a sum of per-row
+terms over a count (tokens, or rows, or rows x ``norm_tokens``). Passing
+``denominator=`` (the count of the whole mini-batch, from
+:func:`aggregation_denominator`) makes each micro-batch's loss its exact share,
+so the micro-batch losses sum to the unsplit loss and their gradients to its
+gradient, whatever the lengths.
+
+Advantages (:func:`compute_advantages`): GRPO ``(r - mean_g) / (std_g + eps)``
+per group, with the unbiased (Bessel) standard deviation as in the GRPO
+reference code (TRL, verl); Dr. GRPO only centres, ``r - mean_g``; RLOO
+(Ahmadian et al. 2024) subtracts the mean of the other members,
+``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_g)``. A group whose
+rewards are all equal, or that has one member, gets exactly zero advantage
+under every estimator.
 
 Invariants: masked-out positions never affect the loss, its gradient or the
 stats (their inputs may be anything, including inf); importance weights and
@@ -63,16 +83,24 @@ import torch
 __all__ = [
     "AGGREGATIONS",
     "CORRECTIONS",
+    "ESTIMATORS",
     "KL_KINDS",
+    "RATIO_LEVELS",
     "aggregate_token_losses",
+    "aggregation_denominator",
+    "compute_advantages",
     "compute_grpo_advantages",
+    "compute_rloo_advantages",
     "compute_kl_penalty",
     "compute_policy_loss",
 ]
 
 CORRECTIONS = ("decoupled", "tis", "none")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
+ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+RATIO_LEVELS = ("token", "sequence")
 
 # exp() of a log-ratio beyond this is inf in float32; such tokens are clipped
 # or truncated anyway, so bounding the log-ratio changes no gradient that matters.
@@ -160,32 +188,123 @@ def compute_grpo_advantages(
     return advantages.reshape(rewards.shape)
 
 
+def compute_rloo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor | Sequence[Hashable] | None = None
+) -> torch.Tensor:
+    """RLOO advantages: each reward minus the mean of the rest of its group.
+
+    ``r_i - mean_{j != i} r_j``, which is ``n / (n - 1) * (r_i - mean_g)``; a group
+    of one member or of equal rewards gets zero. Shapes as
+    :func:`compute_grpo_advantages`.
+    """
+    centred = compute_grpo_advantages(rewards, group_ids, normalise_std=False)
+    flat_rewards = rewards.detach().reshape(-1)
+    if rewards.dim() == 2:
+        counts = torch.full_like(centred, float(rewards.shape[1]))
+    else:
+        if group_ids is None:
+            raise ValueError("1-D rewards need group_ids (or pass rewards shaped [groups, n])")
+        index, n_groups = _group_indices(group_ids, flat_rewards.numel())
+        per_group = torch.zeros(n_groups, dtype=centred.dtype).index_add_(
+            0, index, torch.ones(index.numel(), dtype=centred.dtype))
+        counts = per_group[index].reshape(centred.shape)
+    return centred * counts / (counts - 1).clamp(min=1)
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor | Sequence[Hashable] | None = None,
+    estimator: str = "grpo",
+    *,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Advantages by ``estimator``: ``"grpo"``, ``"dr_grpo"`` (centred, no std) or
+    ``"rloo"`` (leave-one-out); see the module docstring.
+
+    Raises:
+        ValueError: unknown estimator, or the shape errors of the estimators.
+    """
+    if estimator == "grpo":
+        return compute_grpo_advantages(rewards, group_ids, eps=eps)
+    if estimator == "dr_grpo":
+        return compute_grpo_advantages(rewards, group_ids, normalise_std=False)
+    if estimator == "rloo":
+        return compute_rloo_advantages(rewards, group_ids)
+    raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
+
+
+def _check_aggregation(aggregation: str, norm_tokens: float | None) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+    if aggregation == "seq-mean-token-sum-norm" and (norm_tokens is None or norm_tokens <= 0):
+        raise ValueError(f"aggregation {aggregation!r} needs norm_tokens > 0, got {norm_tokens}")
+
+
+def aggregation_denominator(
+    mask: torch.Tensor, aggregation: str = "token-mean", norm_tokens: float | None = None
+) -> float:
+    """The count a batch's aggregated loss divides by: its masked tokens (token-mean),
+    its rows with a masked token (seq-mean-*), or those rows x ``norm_tokens``
+    (seq-mean-token-sum-norm). At least 1.
+
+    Sum it over the micro-batches (and ranks) of a mini-batch and pass the total as
+    ``denominator=`` to get each part's exact share of the mini-batch loss.
+
+    Raises:
+        ValueError: unknown ``aggregation``, or ``norm_tokens`` missing for -norm.
+    """
+    _check_aggregation(aggregation, norm_tokens)
+    mask = mask.bool()
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
+    if aggregation == "token-mean":
+        count = float(mask.sum())
+    else:
+        count = float((mask.sum(-1) > 0).sum())
+        if aggregation == "seq-mean-token-sum-norm":
+            count *= float(norm_tokens)
+    return max(count, 1.0)
+
+
 def aggregate_token_losses(
-    token_losses: torch.Tensor, mask: torch.Tensor, aggregation: str = "token-mean"
+    token_losses: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str = "token-mean",
+    *,
+    denominator: float | None = None,
+    norm_tokens: float | None = None,
 ) -> torch.Tensor:
     """Reduce ``[B, T]`` per-token losses to a scalar over the masked tokens.
 
+    ``denominator`` (default: this batch's own, :func:`aggregation_denominator`)
+    replaces the count divided by: the whole mini-batch's, when this batch is one
+    micro-batch (or one rank's part) of it. ``norm_tokens``: the constant of
+    ``"seq-mean-token-sum-norm"``.
+
     Raises:
-        ValueError: unknown ``aggregation`` or mismatched shapes.
+        ValueError: unknown ``aggregation``, mismatched shapes, a missing
+            ``norm_tokens`` or a non-positive ``denominator``.
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+    _check_aggregation(aggregation, norm_tokens)
     if token_losses.shape != mask.shape or token_losses.dim() != 2:
         raise ValueError(
             f"token_losses {tuple(token_losses.shape)} and mask {tuple(mask.shape)} "
             "must have the same [B, T] shape"
         )
+    if denominator is None:
+        denominator = aggregation_denominator(mask, aggregation, norm_tokens)
+    elif not denominator > 0:
+        raise ValueError(f"denominator must be > 0, got {denominator}")
     mask = mask.bool()
     masked = torch.where(mask, token_losses, torch.zeros_like(token_losses))
-    weights = mask.to(token_losses.dtype)
-    if aggregation == "token-mean":
-        return masked.sum() / weights.sum().clamp(min=1.0)
-    per_row_tokens = weights.sum(-1)
-    per_row = masked.sum(-1)
     if aggregation == "seq-mean-token-mean":
-        per_row = per_row / per_row_tokens.clamp(min=1.0)
-    rows = (per_row_tokens > 0).to(token_losses.dtype)
-    return (per_row * rows).sum() / rows.sum().clamp(min=1.0)
+        per_row_tokens = mask.to(token_losses.dtype).sum(-1)
+        numerator = (masked.sum(-1) / per_row_tokens.clamp(min=1.0)).sum()
+    else:
+        # token-mean, seq-mean-token-sum(-norm): the sum of every token's loss; rows
+        # without a token add nothing and are not counted in the denominator.
+        numerator = masked.sum()
+    return numerator / denominator
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -221,6 +340,9 @@ def compute_policy_loss(
     proximal_logprobs: torch.Tensor | None = None,
     tis_cap: float = 2.0,
     aggregation: str = "token-mean",
+    ratio_level: str = "token",
+    denominator: float | None = None,
+    norm_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with off-policy correction (see the module docstring).
 
@@ -237,21 +359,29 @@ def compute_policy_loss(
             step; only for ``"decoupled"`` (default: ``logprobs.detach()``).
         tis_cap: truncation of the importance weight (>= 1).
         aggregation: one of ``AGGREGATIONS``.
+        ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
+        denominator, norm_tokens: as :func:`aggregate_token_losses`.
 
     Returns:
         ``(loss, stats)``: the scalar loss to minimise, and floats over the
         masked tokens: ``clip_fraction`` (tokens whose gradient the clip
-        removed), ``ratio_mean`` and ``ratio_max`` (the clipped ratio ``r``),
-        ``is_weight_mean``, ``is_weight_max`` and ``is_truncated_fraction``
-        (the importance weight after truncation, 1 for ``"none"``),
-        ``behaviour_kl`` (k3 estimate of KL(mu || pi_prox), or of
-        KL(mu || pi) without a proximal policy) and ``tokens``.
+        removed), split into ``clip_fraction_low`` (negative advantage, ratio
+        below ``1 - clip_low``) and ``clip_fraction_high`` (positive advantage,
+        ratio above ``1 + clip_high``), ``ratio_mean`` and ``ratio_max`` (the
+        clipped ratio ``r``), ``is_weight_mean``, ``is_weight_max`` and
+        ``is_truncated_fraction`` (the importance weight after truncation, 1
+        for ``"none"``), ``behaviour_kl`` (k3 estimate of KL(mu || pi_prox),
+        or of KL(mu || pi) without a proximal policy), ``proximal_kl`` (k3
+        estimate of KL(pi_prox || pi); 0 without a proximal policy or for the
+        corrections anchored at mu) and ``tokens``.
 
     Raises:
-        ValueError: unknown ``correction``/``aggregation``, mismatched shapes,
-            bad clip or cap values, or ``proximal_logprobs`` with a correction
-            that does not use them.
+        ValueError: unknown ``correction``/``aggregation``/``ratio_level``,
+            mismatched shapes, bad clip or cap values, or ``proximal_logprobs``
+            with a correction that does not use them.
     """
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; expected one of {RATIO_LEVELS}")
     if correction not in CORRECTIONS:
         raise ValueError(f"unknown correction {correction!r}; expected one of {CORRECTIONS}")
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
@@ -277,19 +407,36 @@ def compute_policy_loss(
     advantages = torch.where(mask, advantages.detach().to(logprobs.dtype), zeros)
     behaviour = old_logprobs.detach().to(logprobs.dtype)
 
-    def log_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-        diff = torch.where(mask, numerator - denominator, zeros)
+    def log_ratio(numerator: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        diff = torch.where(mask, numerator - base, zeros)
         return diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
+    row_tokens = mask.to(logprobs.dtype).sum(-1, keepdim=True).clamp(min=1.0)
+
+    def per_level(token_log_ratio: torch.Tensor) -> torch.Tensor:
+        """A detached log-ratio per token, or its sequence mean on every token (GSPO)."""
+        if ratio_level == "token":
+            return token_log_ratio
+        seq = token_log_ratio.sum(-1, keepdim=True) / row_tokens
+        return torch.where(mask, seq.expand_as(token_log_ratio), zeros)
+
+    def make_ratio(anchor: torch.Tensor) -> torch.Tensor:
+        if ratio_level == "token":
+            return log_ratio(logprobs, anchor).exp()
+        # GSPO-token: the value is the sequence ratio, the gradient flows per token.
+        seq = per_level(log_ratio(logprobs.detach(), anchor))
+        return (seq + log_ratio(logprobs, logprobs.detach())).exp()
+
+    proximal = None
     if correction == "decoupled":
         proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
-        ratio = log_ratio(logprobs, proximal).exp()
+        ratio = make_ratio(proximal)
         behaviour_log_ratio = log_ratio(proximal, behaviour)
-        raw_weight = behaviour_log_ratio.exp()
+        raw_weight = per_level(behaviour_log_ratio).exp()
         weight = raw_weight.clamp(max=tis_cap)
         coefficient = weight
     else:
-        ratio = log_ratio(logprobs, behaviour).exp()
+        ratio = make_ratio(behaviour)
         behaviour_log_ratio = log_ratio(logprobs.detach(), behaviour)
         if correction == "tis":
             raw_weight = ratio.detach()
@@ -302,13 +449,26 @@ def compute_policy_loss(
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     surrogate = torch.minimum(unclipped, clipped)
     token_losses = -(coefficient * surrogate)
-    loss = aggregate_token_losses(token_losses, mask, aggregation)
+    loss = aggregate_token_losses(token_losses, mask, aggregation, denominator=denominator,
+                                  norm_tokens=norm_tokens)
 
     with torch.no_grad():
+        clipped_away = clipped < unclipped
+        current = ratio.detach()
+        if proximal is not None and proximal_logprobs is not None:
+            prox_log_ratio = log_ratio(logprobs.detach(), proximal)
+            # k3 with samples from pi_prox: E[(pi/pi_prox - 1) - log(pi/pi_prox)].
+            proximal_kl = _masked_mean(prox_log_ratio.exp() - 1.0 - prox_log_ratio, mask)
+        else:
+            proximal_kl = 0.0
         stats = {
-            "clip_fraction": _masked_mean((clipped < unclipped).to(ratio.dtype), mask),
-            "ratio_mean": _masked_mean(ratio.detach(), mask),
-            "ratio_max": _masked_max(ratio.detach(), mask),
+            "clip_fraction": _masked_mean(clipped_away.to(ratio.dtype), mask),
+            "clip_fraction_low": _masked_mean(
+                (clipped_away & (advantages < 0)).to(ratio.dtype), mask),
+            "clip_fraction_high": _masked_mean(
+                (clipped_away & (advantages > 0)).to(ratio.dtype), mask),
+            "ratio_mean": _masked_mean(current, mask),
+            "ratio_max": _masked_max(current, mask),
             "is_weight_mean": _masked_mean(weight, mask),
             "is_weight_max": _masked_max(weight, mask),
             "is_truncated_fraction": _masked_mean((raw_weight > tis_cap).to(ratio.dtype), mask),
@@ -316,6 +476,7 @@ def compute_policy_loss(
             "behaviour_kl": _masked_mean(
                 behaviour_log_ratio.exp() - 1.0 - behaviour_log_ratio, mask
             ),
+            "proximal_kl": proximal_kl,
             "tokens": float(mask.sum()),
         }
     return loss, stats
@@ -327,13 +488,17 @@ def compute_kl_penalty(
     mask: torch.Tensor,
     kind: str = "k3",
     aggregation: str = "token-mean",
+    *,
+    denominator: float | None = None,
+    norm_tokens: float | None = None,
 ) -> torch.Tensor:
     """Estimate KL(pi || pi_ref) from tokens sampled from pi, reduced to a scalar.
 
     With ``d = ref_logprobs - logprobs``: ``"k1"`` is ``-d`` (unbiased, can be
     negative), ``"k2"`` is ``d**2 / 2``, ``"k3"`` is ``exp(d) - d - 1``
     (unbiased and non-negative; Schulman 2020, as in GRPO). Gradients flow
-    through ``logprobs`` only.
+    through ``logprobs`` only. ``denominator``/``norm_tokens``: as
+    :func:`aggregate_token_losses`.
 
     Raises:
         ValueError: unknown ``kind`` or ``aggregation``, or mismatched shapes.
@@ -350,4 +515,5 @@ def compute_kl_penalty(
         per_token = 0.5 * diff**2
     else:
         per_token = diff.exp() - diff - 1.0
-    return aggregate_token_losses(per_token, mask, aggregation)
+    return aggregate_token_losses(per_token, mask, aggregation, denominator=denominator,
+                                  norm_tokens=norm_tokens)

@@ -169,8 +169,7 @@ def run_follower(cfg: TrainerConfig, ctx: DistContext) -> int:
         command, payload, arg = ctx.recv_command()
         if command == Command.STEP:
             train_step(training.model, training.optimizer, training.scheduler,
-                       ctx.shard_of(decode_groups(payload)), cfg, ref_model=training.ref_model,
-                       dist=ctx)
+                       decode_groups(payload), cfg, ref_model=training.ref_model, dist=ctx)
             steps += 1
         elif command == Command.GATHER:
             ctx.full_model_state(training.model)

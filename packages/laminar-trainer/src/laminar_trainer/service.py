@@ -6,10 +6,20 @@ address of its trajectory PULL socket, so workers find it and re-send their
 unacked outboxes when it (re)appears.
 
 Per step: wait until ``batch_groups`` complete groups are buffered (never a
-whole rollout batch), compute group-normalised advantages, the clipped
-policy loss with off-policy correction against the behaviour log-probs the
-workers recorded, step the optimizer, then snapshot the weights to host memory
-and hand them to the publisher thread (the only stall), and go on.
+whole rollout batch; with ``buffer.dynamic_sampling`` only informative groups
+count, and the manager is told of each one dropped so that it generates
+another), take the step's PPO mini-batch updates (``laminar_trainer.step``:
+advantages, the clipped policy loss with off-policy correction against the
+behaviour log-probs the workers recorded, exact aggregation), then snapshot the
+weights to host memory and hand them to the publisher thread (the only stall),
+and go on. One trainer step publishes one weight version however many
+optimizer updates it made.
+
+Metrics: every step's row (loss, grad norm, entropy, clip fractions, KLs,
+importance weights, response lengths, truncation, reward per data source, ...)
+goes to ``metrics.jsonl``, the trackers and the Prometheus gauges; every
+``samples.every_steps`` a few completions with their rewards go to
+``samples.jsonl`` and the trackers (``laminar_trainer.samples``).
 
 Durability: every ``checkpoint.every_steps`` a checkpoint is written
 atomically and only then are the trajectory ids it covers acked to the
@@ -26,6 +36,7 @@ summary's ``tracker_errors`` and never stops training.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -38,7 +49,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
+from laminar_common.codec import Ack, GroupsFiltered, Trajectory, TrajectoryRejected
 from laminar_common.config import dump_config
 from laminar_common.consume.validation import REASONS, Invalid, check_trajectory
 from laminar_common.errors import LaminarError, TransportError
@@ -63,13 +74,30 @@ from .distributed import Command, DistContext
 from .policy import Training, build_training, evaluate_records, restore_training
 from .precision import torch_dtype
 from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
-from .step import StepResult, train_step
+from .samples import SampleLogger
+from .step import StepResult, train_step, trajectory_metrics
 from .tracking import MultiTracker, make_trackers
 from .version import __version__
 
 __all__ = ["TrainerService"]
 
 log = logging.getLogger(__name__)
+
+_STEP_GAUGES = (
+    ("grad_norm", "gradient norm before clipping, mean over the last step's updates"),
+    ("entropy", "mean token entropy of the policy on the last step's completions"),
+    ("clip_fraction_low", "tokens clipped below 1 - clip_low (negative advantage)"),
+    ("clip_fraction_high", "tokens clipped above 1 + clip_high (positive advantage)"),
+    ("behaviour_kl", "k3 KL(behaviour || proximal) of the last step"),
+    ("proximal_kl", "k3 KL(proximal || trained) over the last step's updates"),
+    ("is_weight_mean", "mean truncated importance weight of the last step"),
+    ("is_weight_max", "largest truncated importance weight of the last step"),
+    ("is_truncated_fraction", "tokens whose importance weight was truncated"),
+    ("response_length_mean", "mean completion length of the last step (tokens)"),
+    ("response_length_max", "longest completion of the last step (tokens)"),
+    ("truncation_rate", "completions of the last step cut at max_tokens"),
+)
+"""Per-step figures exported as Prometheus gauges (name, help), from the metrics row."""
 
 
 class TrainerService(Service):
@@ -99,11 +127,12 @@ class TrainerService(Service):
         self.buffer = ExperienceBuffer(
             capacity=config.buffer.capacity, policy=config.buffer.policy,
             max_staleness=config.buffer.max_staleness, stale_action=config.buffer.stale_action,
-            downweight=config.buffer.downweight)
+            downweight=config.buffer.downweight, dynamic_sampling=config.buffer.dynamic_sampling)
         self.receiver: PullReceiver | None = None
         self.publisher: WeightPublisher | None = None
         self.metrics: MetricsServer | None = None
         self.trackers = MultiTracker()
+        self.samples: SampleLogger | None = None
         self._curve = config.auth.curve()
         self._last_metrics: dict = {}
         self._acker: PushSender | None = None
@@ -134,6 +163,18 @@ class TrainerService(Service):
         """Every metric of the latest eval (accuracy, pass@k, length, truncation)."""
         self._eval_records: list[dict] | None = None
         self._uniform_steps = 0
+        self._filtered_last_step = 0
+        """Groups dynamic sampling dropped between the previous step's ``_account`` and
+        the latest one's (the step's ``groups_filtered``)."""
+        self._filtered_since_step = 0
+        self._filtered_now: list[str] = []
+        """Prompt ids of filtered groups the manager has not been told of yet."""
+        self._filtered_sent: collections.OrderedDict[str, int] = collections.OrderedDict()
+        """Filtered groups (prompt id -> group_seq) told to the manager and not settled
+        below its watermark: told again to a new manager incarnation."""
+        self._filtered_resend = threading.Event()
+        self._filtered_retry_at = 0.0
+        self._starved_warn_at = 0
         self.finished = threading.Event()
 
     # -- lifecycle --------------------------------------------------------------
@@ -164,6 +205,7 @@ class TrainerService(Service):
             self.publish_fn, find_master=find_master, stop=self.stopping,
             waiting_for=f"job {cfg.job!r} (etcd {', '.join(cfg.etcd.endpoints)})")
         self._load()
+        self.samples = SampleLogger(self.run_dir, cfg.samples, self.tokenizer, self.trackers)
         latest = self.coordinator.latest_version()
         published = -1 if latest is None else latest.version
         if self.step > 0 or published >= 0:
@@ -198,7 +240,15 @@ class TrainerService(Service):
                    last.get("tokens_per_s", 0.0)),
             Metric("reward_mean", "gauge", "mean reward of the last step",
                    last.get("reward_mean", 0.0)),
-            Metric("loss", "gauge", "loss of the last step", last.get("loss", 0.0)),
+            Metric("loss", "gauge", "loss of the last step (mean over its updates)",
+                   last.get("loss", 0.0)),
+            *(Metric(name, "gauge", help_text, float(last.get(name, 0.0)))
+              for name, help_text in _STEP_GAUGES),
+            Metric("reward_by_source", "gauge", "mean reward of the last step per data_source",
+                   labels=("data_source",),
+                   values={(k,): v for k, v in last.get("reward_by_source", {}).items()}),
+            Metric("groups_filtered_total", "counter",
+                   "groups dropped by dynamic sampling (all rewards equal)", b.filtered),
             Metric("buffer_trajectories", "gauge", "trajectories buffered", len(self.buffer)),
             Metric("buffer_received_total", "counter", "trajectories received", b.received),
             Metric("buffer_refused_total", "counter", "trajectories refused", labels=("reason",),
@@ -274,10 +324,11 @@ class TrainerService(Service):
             # trained again (by other ids, or the same ones re-sent) and logged again.
             self._truncate_log("consumed.jsonl", self.step)
             self._truncate_log("metrics.jsonl", self.step)
+            self._truncate_log("samples.jsonl", self.step)
             log.info("resumed from %s: step %d, version %d, %d consumed ids", ckpt, self.step,
                      self.version, len(state.consumed))
         elif not self.resume:
-            for name in ("consumed.jsonl", "metrics.jsonl"):
+            for name in ("consumed.jsonl", "metrics.jsonl", "samples.jsonl"):
                 (self.run_dir / name).unlink(missing_ok=True)
 
     def _clear_old_checkpoints(self, root: Path) -> None:
@@ -416,6 +467,7 @@ class TrainerService(Service):
                 if self.stopping.is_set():
                     return
                 self._flush_reacks()
+                self._warn_if_starved()
                 if time.monotonic() - t0 > cfg.wait_timeout_s:
                     raise LaminarError(f"no full step of data for {cfg.wait_timeout_s:.0f}s")
             waited = time.monotonic() - t0
@@ -449,6 +501,8 @@ class TrainerService(Service):
         self._maybe_checkpoint_or_ack()
         self._maybe_evaluate(metrics)
         self._report_step(metrics, result, stall)
+        # After the step's row: W&B refuses anything logged at a step below one it saw.
+        self.samples.maybe_log(self.step, self.version, groups)
 
     def _train(self, groups: list[Group], trajs: list[Trajectory]) -> tuple[StepResult, float]:
         """The optimizer step (across ranks, in one process, or simulated)."""
@@ -483,9 +537,17 @@ class TrainerService(Service):
         return 0.0
 
     def _account(self, trajs: list[Trajectory], result: StepResult) -> None:
-        """Record what this step consumed (the consumed log; acks once durable)."""
+        """Record what this step consumed (the consumed log; acks once durable), and in
+        ``_filtered_last_step`` how many groups dynamic sampling dropped since the last
+        step."""
         ids = [t.trajectory_id for t in trajs]
-        dropped = self.buffer.pop_dropped()  # too stale: consumed untrained, acked all the same
+        # The manager hears of filtered groups before their acks (one ordered socket):
+        # it credits a group only while it still knows it.
+        self._flush_filtered()
+        # Too stale, or filtered: consumed untrained, acked all the same.
+        dropped = self.buffer.pop_dropped()
+        self._filtered_last_step, self._filtered_since_step = self._filtered_since_step, 0
+        self._starved_warn_at = 0
         self._tokens_consumed += result.tokens
         self._log_consumed(ids, dropped)
         self._unacked.extend(ids + dropped)
@@ -510,7 +572,9 @@ class TrainerService(Service):
             "tokens": result.tokens, "tokens_per_s": self._tokens_consumed / max(elapsed, 1e-9),
             "step_s": train_s, "wait_s": waited, "stall_s": stall,
             "staleness_mean": statistics.fmean(staleness), "staleness_max": max(staleness),
-            "buffer": len(self.buffer), "simulated": self.model is None, **result.stats,
+            "buffer": len(self.buffer), "simulated": self.model is None,
+            "groups_filtered": self._filtered_last_step, **trajectory_metrics(trajs),
+            **result.stats,
         }
 
     def _maybe_evaluate(self, metrics: dict) -> None:
@@ -526,8 +590,10 @@ class TrainerService(Service):
         self._track(metrics)
         self._last_metrics = metrics
         self._put_status(metrics)
-        log.info("step %d v%d loss %.4f reward %.3f staleness %.2f tokens/s %.1f stall %.3fs",
-                 self.step, self.version, result.loss, result.reward_mean,
+        log.info("step %d v%d loss %.4f reward %.3f grad norm %.3f entropy %.3f clip %.3f "
+                 "staleness %.2f tokens/s %.1f stall %.3fs", self.step, self.version,
+                 result.loss, result.reward_mean, metrics.get("grad_norm", 0.0),
+                 metrics.get("entropy", 0.0), metrics.get("clip_fraction", 0.0),
                  metrics["staleness_mean"], metrics["tokens_per_s"], stall)
         print(f"STEP {self.step} v{self.version} reward={result.reward_mean:.3f}", flush=True)
         self._warn_if_uniform(metrics)
@@ -546,6 +612,19 @@ class TrainerService(Service):
                         "the data's answer_key, and reward_errors (%d so far)", self.step,
                         metrics["reward_mean"], self._uniform_steps,
                         self.buffer.stats.reward_errors)
+
+    def _warn_if_starved(self) -> None:
+        """Dynamic sampling has dropped many groups with no step: every group scores the
+        same (a broken reward or answer key looks like this). Logged at 4x, 8x, 16x ...
+        ``batch_groups`` filtered groups since the last step."""
+        n, batch = self._filtered_since_step, self.config.batch_groups
+        if n < max(self._starved_warn_at, 4 * batch):
+            return
+        self._starved_warn_at = 2 * max(self._starved_warn_at, 4 * batch)
+        log.warning("dynamic sampling dropped %d groups since step %d (all rewards equal in "
+                    "each) and the step still waits for %d informative groups; check the "
+                    "reward, the data's answer_key, and reward_errors (%d so far)", n,
+                    self.step, batch, self.buffer.stats.reward_errors)
 
     def _put_status(self, metrics: dict) -> None:
         """A small snapshot for `laminar status` (once per step, never per trajectory),
@@ -621,8 +700,39 @@ class TrainerService(Service):
                     self._rejections_now[:0] = notes[i:]
                 return
 
+    _FILTERED_KEEP = 10_000
+    """Most filtered groups remembered for a new manager incarnation."""
+
+    def _flush_filtered(self) -> None:
+        """Tell the manager at once of groups dynamic sampling dropped, so it generates
+        as many more (nothing durable in it: it credits each group once, however often
+        told); to a new manager incarnation, every one not settled below the watermark."""
+        for prompt_id, seq in self.buffer.pop_filtered():
+            self._filtered_since_step += 1
+            self._filtered_now.append(prompt_id)
+            self._filtered_sent[prompt_id] = seq
+            self._filtered_sent.move_to_end(prompt_id)
+        watermark = self.buffer.consumed.watermark
+        while self._filtered_sent and (
+                len(self._filtered_sent) > self._FILTERED_KEEP
+                or 0 <= next(iter(self._filtered_sent.values())) < watermark):
+            self._filtered_sent.popitem(last=False)
+        if self._filtered_resend.is_set():
+            self._filtered_resend.clear()
+            self._filtered_now = [p for p, seq in self._filtered_sent.items()
+                                  if not 0 <= seq < watermark]
+        if not self._filtered_now or time.monotonic() < self._filtered_retry_at:
+            return
+        note = GroupsFiltered(prompt_ids=tuple(self._filtered_now), trainer_step=self.step)
+        if self._send_message(note, f"{len(self._filtered_now)} filtered-group notices"):
+            self._filtered_now = []
+        else:
+            self._filtered_retry_at = time.monotonic() + 1.0
+
     def _flush_reacks(self) -> None:
-        """While waiting for data: ack again the copies whose first ack is durable."""
+        """While waiting for data: tell the manager of filtered groups (at once), and
+        ack again the copies whose first ack is durable."""
+        self._flush_filtered()
         now = time.monotonic()
         if now - self._last_reack < 1.0:
             return
@@ -644,13 +754,15 @@ class TrainerService(Service):
             self._manager_rec = rec
             if rec.incarnation != self._acker_key:
                 self._manager_changed.set()
+                self._filtered_resend.set()
 
     def _send_acks(self, ids: list[str]) -> bool:
         """Send durable acks to the manager; False (logged) if they must wait."""
         return self._send_message(Ack(trajectory_ids=tuple(ids), trainer_step=self.step,
                                       trainer_version=self.version), f"{len(ids)} acks")
 
-    def _send_message(self, msg: Ack | TrajectoryRejected, what: str = "a rejection") -> bool:
+    def _send_message(self, msg: Ack | TrajectoryRejected | GroupsFiltered,
+                      what: str = "a rejection") -> bool:
         """Send to the manager's ack socket; False (logged) if it must wait. The manager's
         address comes from the membership watch: this never waits on etcd."""
         if self._manager_changed.is_set():

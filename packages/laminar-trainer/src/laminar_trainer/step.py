@@ -1,11 +1,41 @@
-"""One optimizer step on a list of complete GRPO groups (the math lives in ``loss``).
+"""One trainer step on a list of complete groups: PPO mini-batches, exact aggregation.
 
-Builds the padded batch from the trajectories (prompt + response token ids),
-recomputes the policy's log-probs at the workers' sampling temperature,
-lines up the behaviour log-probs the workers recorded, and applies
-``compute_policy_loss`` with group-normalised advantages (scaled by each
-group's buffer weight), an optional KL to the reference model, gradient
-accumulation over micro-batches of groups, and global-norm clipping.
+The math lives in ``loss``; this module turns a step's groups into optimizer
+updates. Per step:
+
+1. Rewards are shaped (DAPO soft overlong punishment, ``loss.overlong_buffer``)
+   and turned into advantages per group by the algorithm's estimator (GRPO,
+   Dr. GRPO, GSPO's GRPO advantages, RLOO), scaled by each group's buffer
+   weight. Completions cut at ``max_tokens`` are left out of the loss with
+   ``loss.overlong_filter`` (they still count in their group's advantages).
+2. The groups are split into ``optim.mini_batches`` equal mini-batches (in
+   order); with several ranks each mini-batch is split again over the ranks
+   (``mini_batch[rank::world]``), and each rank's part into micro-batches of
+   ``optim.micro_batch_groups`` groups (gradient accumulation).
+3. With more than one optimizer update per step (``mini_batches x epochs``)
+   and the ``decoupled`` correction, the proximal log-probs (the weights
+   before the step's first update) are computed once, without a graph, for
+   every trajectory of the step, so the trust region of every later update is
+   anchored there and the clip (Clip-Higher included) acts from the second
+   update on. With one update the proximal policy *is* the current one, so
+   no extra forward is spent. The reference model's log-probs (KL penalty)
+   are computed once per step too.
+4. Each update: forward/backward per micro-batch, each micro-batch's loss
+   divided by the *whole mini-batch's* count (tokens, rows, or rows x
+   ``norm_tokens``; computed from the step's trajectories, which every rank
+   holds), so any split over micro-batches and ranks gives the gradient of the
+   unsplit mini-batch; then global-norm clipping and one optimizer step. A
+   non-finite loss or gradient norm skips that update.
+5. The LR schedule advances once per trainer step (not per update), so it
+   stays tied to the step count and to the published versions.
+
+Ranks: every rank is called with the step's *whole* list of groups (they all
+decode rank 0's STEP payload) and takes its own share here. FSDP averages
+gradients over the ranks during backward, so each rank's loss is multiplied
+by the world size: the average of ``world x (local sum / global count)`` is
+the global loss's gradient. Stats are reduced exactly: token-weighted means
+are summed with their token counts over micro-batches, updates and ranks;
+maxima take the maximum.
 
 Precision (``cfg.dtype``): the forwards and backward run under
 ``laminar_trainer.precision.autocast`` (bfloat16 mixed precision, or nothing
@@ -17,16 +47,35 @@ the gradient norm and the non-finite guard are float32 in both modes.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 import torch
 
+from laminar_common.codec import Trajectory
+
 from .buffer import Group
-from .logprobs import compute_token_logprobs, model_device, pack_sequences
-from .loss import compute_grpo_advantages, compute_kl_penalty, compute_policy_loss
+from .logprobs import (
+    compute_token_logprobs,
+    compute_token_logprobs_and_entropy,
+    model_device,
+    pack_sequences,
+)
+from .loss import (
+    aggregate_token_losses,
+    aggregation_denominator,
+    compute_advantages,
+    compute_kl_penalty,
+    compute_policy_loss,
+)
 from .precision import autocast
 
-__all__ = ["StepResult", "make_optimizer", "train_step"]
+__all__ = ["StepResult", "make_optimizer", "overlong_penalty", "train_step",
+           "trajectory_metrics"]
+
+_ESTIMATOR = {"grpo": "grpo", "gspo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
+_MAX_STATS = ("ratio_max", "is_weight_max")
+_NO_SOURCE = "none"
 
 
 @dataclass
@@ -59,84 +108,257 @@ def make_optimizer(model: torch.nn.Module, cfg, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment (a value <= 0 added to the reward): 0 up to
+    ``max_tokens - buffer`` tokens, then linear down to ``-penalty`` at ``max_tokens``
+    (and beyond); 0 when ``buffer`` is 0."""
+    if buffer <= 0:
+        return 0.0
+    start = max_tokens - buffer
+    if length <= start:
+        return 0.0
+    return -penalty * min(1.0, (length - start) / buffer)
+
+
+def trajectory_metrics(trajs: list[Trajectory]) -> dict:
+    """What a step's trajectories look like: response length mean/max, the fraction cut
+    at ``max_tokens`` (``truncation_rate``) and the mean reward per ``data_source``
+    (``reward_by_source``; trajectories without one under ``"none"``)."""
+    lengths = [len(t.response_token_ids) for t in trajs]
+    by_source: dict[str, list[float]] = {}
+    for t in trajs:
+        by_source.setdefault(getattr(t, "data_source", "") or _NO_SOURCE, []).append(t.reward)
+    return {
+        "response_length_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "response_length_max": max(lengths, default=0),
+        "truncation_rate": (sum(t.finish_reason == "length" for t in trajs) / len(trajs)
+                            if trajs else 0.0),
+        "reward_by_source": {k: statistics.fmean(v) for k, v in sorted(by_source.items())},
+    }
+
+
+@dataclass
+class _Micro:
+    """One micro-batch, packed once and reused by every epoch."""
+
+    trajs: list[Trajectory]
+    input_ids: torch.Tensor
+    attention: torch.Tensor
+    mask: torch.Tensor
+    """Completion tokens that count in the loss (overlong-filtered rows: none)."""
+    old: torch.Tensor
+    advantages: torch.Tensor
+    temperatures: torch.Tensor
+    proximal: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
+
+
+class _Stats:
+    """Token-weighted sums and maxima of loss stats, exact over any split."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+
+    def add(self, stats: dict[str, float], tokens: float) -> None:
+        for key, value in stats.items():
+            if key == "tokens":
+                continue
+            if key in _MAX_STATS:
+                self.maxes[key] = max(self.maxes.get(key, -math.inf), float(value))
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + float(value) * tokens
+        self.sums["tokens"] = self.sums.get("tokens", 0.0) + tokens
+
+    def reduce(self, dist) -> dict[str, float]:
+        sum_keys, max_keys = sorted(self.sums), sorted(self.maxes)
+        sums = [self.sums[k] for k in sum_keys]
+        maxes = [self.maxes[k] for k in max_keys]
+        if dist is not None:
+            sums = dist.all_reduce(sums, "sum")
+            maxes = dist.all_reduce(maxes, "max")
+        totals = dict(zip(sum_keys, sums))
+        tokens = totals.pop("tokens", 0.0)
+        out = {k: v / tokens if tokens else 0.0 for k, v in totals.items()}
+        out.update({k: v if math.isfinite(v) else 0.0 for k, v in zip(max_keys, maxes)})
+        return out
+
+
+def _chunks(groups: list[Group], n: int) -> list[list[Group]]:
+    size = len(groups) // n
+    if size * n != len(groups) or size == 0:
+        raise ValueError(f"{len(groups)} groups do not split into {n} equal mini-batches")
+    return [groups[i * size:(i + 1) * size] for i in range(n)]
+
+
 def _micro_batches(groups: list[Group], size: int) -> list[list[Group]]:
     if size <= 0:
         return [groups]
     return [groups[i:i + size] for i in range(0, len(groups), size)]
 
 
+def _advantages(groups: list[Group], cfg) -> dict[str, float]:
+    """Advantage of every trajectory of the step, by id (shaped rewards, group weights)."""
+    trajs = [t for g in groups for t in g.trajectories()]
+    loss = cfg.loss
+    rewards = torch.tensor([
+        t.reward + overlong_penalty(len(t.response_token_ids), t.sampling.max_tokens,
+                                    loss.overlong_buffer, loss.overlong_penalty)
+        for t in trajs], dtype=torch.float32)
+    adv = compute_advantages(rewards, [t.prompt_id for t in trajs], _ESTIMATOR[loss.algorithm])
+    weights = [g.weight for g in groups for _ in g.trajectories()]
+    return {t.trajectory_id: float(a) * w for t, a, w in zip(trajs, adv, weights)}
+
+
+def _in_loss(traj: Trajectory, cfg) -> bool:
+    return not (cfg.loss.overlong_filter and traj.finish_reason == "length")
+
+
+def _pack(part: list[Group], advantages: dict[str, float], cfg, device) -> _Micro:
+    trajs = [t for g in part for t in g.trajectories()]
+    input_ids, attn, comp_mask = pack_sequences([list(t.prompt_token_ids) for t in trajs],
+                                                [list(t.response_token_ids) for t in trajs])
+    old = torch.zeros(comp_mask.shape, dtype=torch.float32)
+    for row, t in enumerate(trajs):
+        cols = comp_mask[row].nonzero().squeeze(-1)
+        old[row, cols] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
+        if not _in_loss(t, cfg):
+            comp_mask[row] = False
+    adv = torch.tensor([advantages[t.trajectory_id] for t in trajs], dtype=torch.float32)
+    # Each trajectory's own sampling temperature (validation refused any that differ
+    # from a temperature fixed in the trainer's config).
+    temps = torch.tensor([t.sampling.temperature for t in trajs], dtype=torch.float32)
+    return _Micro(trajs, input_ids.to(device), attn.to(device), comp_mask.to(device),
+                  old.to(device), adv.to(device), temps)
+
+
+def _denominator(chunk: list[Group], cfg) -> tuple[float, float | None]:
+    """The whole mini-batch's aggregation count (every rank computes the same one), and
+    the -norm constant."""
+    trajs = [t for g in chunk for t in g.trajectories()]
+    lengths = torch.tensor([len(t.response_token_ids) if _in_loss(t, cfg) else 0
+                            for t in trajs])
+    width = int(lengths.max()) if len(lengths) else 0
+    mask = torch.arange(max(width, 1))[None, :] < lengths[:, None]
+    norm = None
+    if cfg.loss.aggregation == "seq-mean-token-sum-norm":
+        norm = float(cfg.loss.norm_tokens or max(t.sampling.max_tokens for t in trajs))
+    return aggregation_denominator(mask, cfg.loss.aggregation, norm), norm
+
+
+def _no_grad_logprobs(model, micro: _Micro, cfg, device) -> torch.Tensor:
+    with torch.no_grad(), autocast(device, cfg.dtype):
+        return compute_token_logprobs(model, micro.input_ids, micro.attention, micro.temperatures)
+
+
 def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=None,
                dist=None) -> StepResult:
-    """Forward, backward and one optimizer step over ``groups``; returns loss and stats.
+    """The step's optimizer updates over ``groups`` (see the module docstring).
 
-    With ``dist`` (a ``laminar_trainer.distributed.DistContext`` of an FSDP
-    model), ``groups`` is this rank's shard: FSDP averages the gradients over
-    the ranks during backward, and the loss and stats are averaged over them
-    here, so every rank returns the same numbers. Equal shards make a step on
-    N ranks the same update as one rank with N micro-batches.
+    With ``dist`` (a ``laminar_trainer.distributed.DistContext`` of an FSDP model),
+    ``groups`` is the whole step (every rank gets the same list) and each rank trains
+    on its share; every rank returns the same numbers.
+
+    Returns:
+        ``StepResult``: ``loss`` is the mean of the updates' losses; ``stats`` holds the
+        token-weighted means of the loss stats over every update (clip fractions,
+        ratios, importance weights, KLs, ``entropy``), ``grad_norm`` (before clipping,
+        mean over updates) and ``grad_norm_max``, ``updates``, ``skipped_nonfinite``
+        (updates skipped), ``uniform_group_fraction`` and ``lr``.
     """
     device = model_device(model)
     trajs_all = [t for g in groups for t in g.trajectories()]
-    total_tokens = sum(len(t.response_token_ids) for t in trajs_all)
-    optimizer.zero_grad(set_to_none=True)
-    loss_sum = 0.0
-    stats_sum: dict[str, float] = {}
-    micro = _micro_batches(groups, cfg.optim.micro_batch_groups)
-    for part in micro:
-        trajs = [t for g in part for t in g.trajectories()]
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        group_ids = [t.prompt_id for t in trajs]
-        weights = torch.tensor([g.weight for g in part for _ in g.members], dtype=torch.float32)
-        adv = compute_grpo_advantages(rewards, group_ids) * weights
-        input_ids, attn, comp_mask = pack_sequences([list(t.prompt_token_ids) for t in trajs],
-                                                    [list(t.response_token_ids) for t in trajs])
-        old = torch.zeros(comp_mask.shape, dtype=torch.float32)
-        for row, t in enumerate(trajs):
-            cols = comp_mask[row].nonzero().squeeze(-1)
-            old[row, cols] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
-        input_ids, attn, comp_mask = input_ids.to(device), attn.to(device), comp_mask.to(device)
-        old, adv = old.to(device), adv.to(device)
-        # Each trajectory's own sampling temperature (validation refused any that
-        # differ from a temperature fixed in the trainer's config).
-        temps = torch.tensor([t.sampling.temperature for t in trajs], dtype=torch.float32)
-        with autocast(device, cfg.dtype):
-            logprobs = compute_token_logprobs(model, input_ids, attn, temps)
-        loss, stats = compute_policy_loss(
-            logprobs, old, adv[:, None].expand_as(logprobs), comp_mask,
-            clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high,
-            correction=cfg.loss.correction, tis_cap=cfg.loss.tis_cap,
-            aggregation=cfg.loss.aggregation)
-        if ref_model is not None and cfg.loss.kl_coef > 0:
-            with torch.no_grad(), autocast(device, cfg.dtype):
-                ref = compute_token_logprobs(ref_model, input_ids, attn, temps)
-            kl = compute_kl_penalty(logprobs, ref, comp_mask, aggregation=cfg.loss.aggregation)
-            loss = loss + cfg.loss.kl_coef * kl
-            stats["kl"] = float(kl)
-        share = len(trajs) / len(trajs_all)
-        (loss * share).backward()
-        loss_sum += float(loss.detach()) * share
-        for key, value in stats.items():
-            stats_sum[key] = stats_sum.get(key, 0.0) + float(value) * share
-    if dist is not None:
-        loss_sum, stats_sum = dist.mean_over_ranks(loss_sum, stats_sum)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor: the norm over every shard
-        grad_norm = grad_norm.full_tensor()
-    # A non-finite loss or gradient never reaches the weights: the update is skipped
-    # (every rank sees the same global norm and mean loss, so all skip together). The
-    # schedule still advances, so the learning rate stays tied to the step count.
-    finite = math.isfinite(loss_sum) and math.isfinite(float(grad_norm))
-    if finite:
-        optimizer.step()
-    else:
-        optimizer.zero_grad(set_to_none=True)
+    advantages = _advantages(groups, cfg)
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    chunks = _chunks(groups, cfg.optim.mini_batches)
+    plan = []
+    for chunk in chunks:
+        denominator, norm = _denominator(chunk, cfg)
+        micros = [_pack(part, advantages, cfg, device)
+                  for part in _micro_batches(chunk[rank::world], cfg.optim.micro_batch_groups)]
+        plan.append((micros, denominator, norm))
+    loss_cfg = cfg.loss
+    updates = cfg.optim.mini_batches * cfg.optim.epochs
+    if updates > 1 and loss_cfg.correction == "decoupled":
+        for micros, _, _ in plan:
+            for micro in micros:
+                micro.proximal = _no_grad_logprobs(model, micro, cfg, device)
+    use_kl = ref_model is not None and loss_cfg.kl_coef > 0
+    if use_kl:
+        for micros, _, _ in plan:
+            for micro in micros:
+                micro.reference = _no_grad_logprobs(ref_model, micro, cfg, device)
+
+    stats = _Stats()
+    losses: list[float] = []
+    norms: list[float] = []
+    skipped = 0
+    for _epoch in range(cfg.optim.epochs):
+        for micros, denominator, norm in plan:
+            optimizer.zero_grad(set_to_none=True)
+            update_loss = 0.0
+            for micro in micros:
+                update_loss += _micro_step(model, micro, denominator, norm, world, cfg, device,
+                                           stats)
+            if dist is not None:
+                update_loss = dist.all_reduce([update_loss], "sum")[0]
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor: the norm over every shard
+                grad_norm = grad_norm.full_tensor()
+            grad_norm = float(grad_norm)
+            # A non-finite loss or gradient never reaches the weights: the update is
+            # skipped (every rank sees the same global norm and loss, so all skip alike).
+            if math.isfinite(update_loss) and math.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+            losses.append(update_loss)
+            norms.append(grad_norm)
     scheduler.step()
-    stats_sum["skipped_nonfinite"] = 0.0 if finite else 1.0
+    out = stats.reduce(dist)
+    out["skipped_nonfinite"] = float(skipped)
+    out["updates"] = float(updates)
+    out["grad_norm"] = statistics.fmean(norms)
+    out["grad_norm_max"] = max(norms)
     # A group whose samples all scored the same has zero advantage: it teaches nothing.
-    uniform = sum(1 for g in groups
-                  if len({t.reward for t in g.trajectories()}) <= 1)
-    stats_sum["uniform_group_fraction"] = uniform / len(groups) if groups else 0.0
-    stats_sum["grad_norm"] = float(grad_norm)
-    stats_sum["lr"] = scheduler.get_last_lr()[0]
-    return StepResult(loss_sum, sum(t.reward for t in trajs_all) / len(trajs_all), total_tokens,
-                      stats_sum)
+    uniform = sum(1 for g in groups if len({t.reward for t in g.trajectories()}) <= 1)
+    out["uniform_group_fraction"] = uniform / len(groups) if groups else 0.0
+    out["lr"] = scheduler.get_last_lr()[0]
+    return StepResult(statistics.fmean(losses), sum(t.reward for t in trajs_all) / len(trajs_all),
+                      sum(len(t.response_token_ids) for t in trajs_all), out)
+
+
+def _micro_step(model, micro: _Micro, denominator: float, norm: float | None, world: int, cfg,
+                device, stats: _Stats) -> float:
+    """Forward and backward of one micro-batch; returns its share of the update's loss."""
+    loss_cfg = cfg.loss
+    with autocast(device, cfg.dtype):
+        logprobs, entropy = compute_token_logprobs_and_entropy(
+            model, micro.input_ids, micro.attention, micro.temperatures,
+            entropy_grad=loss_cfg.entropy_coef > 0)
+    adv = micro.advantages[:, None].expand_as(logprobs)
+    loss, step_stats = compute_policy_loss(
+        logprobs, micro.old, adv, micro.mask, clip_low=loss_cfg.clip_low,
+        clip_high=loss_cfg.clip_high, correction=loss_cfg.correction, tis_cap=loss_cfg.tis_cap,
+        proximal_logprobs=micro.proximal, aggregation=loss_cfg.aggregation,
+        ratio_level="sequence" if loss_cfg.algorithm == "gspo" else "token",
+        denominator=denominator, norm_tokens=norm)
+    mask = micro.mask
+    tokens = float(mask.sum())
+    with torch.no_grad():
+        step_stats["entropy"] = float(entropy[mask].sum()) / tokens if tokens else 0.0
+    if micro.reference is not None:
+        kl = compute_kl_penalty(logprobs, micro.reference, mask, aggregation=loss_cfg.aggregation,
+                                denominator=denominator, norm_tokens=norm)
+        loss = loss + loss_cfg.kl_coef * kl
+        with torch.no_grad():
+            step_stats["kl"] = float(compute_kl_penalty(logprobs.detach(), micro.reference, mask))
+    if loss_cfg.entropy_coef > 0:
+        bonus = aggregate_token_losses(entropy, mask, loss_cfg.aggregation,
+                                       denominator=denominator, norm_tokens=norm)
+        loss = loss - loss_cfg.entropy_coef * bonus
+    # FSDP averages gradients over the ranks: world x (local share) averages to the sum.
+    (loss * world).backward()
+    stats.add(step_stats, tokens)
+    return float(loss.detach())

@@ -4,6 +4,11 @@ Owns the :class:`Tracker` interface, its TensorBoard and Weights & Biases
 implementations, :class:`MultiTracker` (the fan-out the service holds) and
 :func:`make_trackers`, which turns ``tracking`` config into them.
 
+Two channels: scalars (:meth:`Tracker.log`, every metrics row) and sample rows
+(:meth:`Tracker.log_samples`: a few completions with their rewards every so many
+steps, from ``laminar_trainer.samples``), shown as a markdown table in
+TensorBoard's text tab and as a ``wandb.Table`` in W&B.
+
 Must not import ``tensorboard`` or ``wandb`` at module import: both are optional
 extras (``laminar-trainer[tensorboard]``, ``laminar-trainer[wandb]``), imported by
 :func:`make_trackers` only when the config turns them on. A tracker that is
@@ -12,8 +17,11 @@ the config field and the package to install.
 
 Invariants:
 
-- A tracker receives flat ``name -> float`` dicts only (see
+- :meth:`Tracker.log` receives flat ``name -> float`` dicts only (see
   :func:`flatten_scalars` for what is kept, converted and skipped).
+- A sample row is a flat dict of strings, numbers and ``None``; every row of one
+  call has the same keys (the table's columns). ``log_samples`` is optional:
+  :class:`MultiTracker` skips a tracker that has none.
 - A tracker that raises while logging or closing never stops training: the
   error is logged as a warning with the tracker's name and counted in
   :attr:`MultiTracker.errors` (the summary's ``tracker_errors``).
@@ -24,9 +32,11 @@ Invariants:
 
 from __future__ import annotations
 
+import html
 import importlib
 import logging
 import numbers
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -37,7 +47,7 @@ from laminar_common.errors import ConfigError, LaminarError
 from .config import TrackingConfig
 
 __all__ = ["Tracker", "TensorBoardTracker", "WandbTracker", "MultiTracker", "flatten_scalars",
-           "make_trackers"]
+           "make_trackers", "markdown_table"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +59,12 @@ class Tracker(Protocol):
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record ``metrics`` (flat names, numbers only) at ``step``."""
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Record sample rows (one table, the rows' keys as columns) at ``step``.
+
+        Optional: :class:`MultiTracker` skips a tracker without this method.
+        """
 
     def close(self) -> None:
         """Flush and release; called once."""
@@ -94,6 +110,10 @@ class TensorBoardTracker:
         # Rows come once per step (seconds apart): flush so a live TensorBoard sees each one.
         self._writer.flush()
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self._writer.add_text("samples", markdown_table(rows), global_step=step)
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
 
@@ -118,6 +138,13 @@ class WandbTracker:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        columns = list(rows[0])
+        table = wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])
+        self._run.log({"samples": table}, step=step)
 
     def close(self) -> None:
         self._run.finish()
@@ -150,6 +177,23 @@ class MultiTracker:
                 except Exception as exc:  # noqa: BLE001 - any library error; reported below
                     self._report(tracker, f"log step {step}", exc)
 
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Send sample rows to every tracker that takes them (see :meth:`Tracker.log_samples`)."""
+        if not self.trackers or not rows:
+            return
+        rows = [dict(row) for row in rows]
+        with self._lock:
+            if self._closed:
+                return
+            for tracker in self.trackers:
+                log_samples = getattr(tracker, "log_samples", None)
+                if log_samples is None:
+                    continue
+                try:
+                    log_samples(step, rows)
+                except Exception as exc:  # noqa: BLE001 - any library error; reported below
+                    self._report(tracker, f"log samples at step {step}", exc)
+
     def close(self) -> None:
         """Close every tracker once; later calls return at once."""
         with self._lock:
@@ -169,6 +213,30 @@ class MultiTracker:
         # The traceback once per tracker: a broken tracker fails at every step.
         log.warning("tracker %s failed to %s (its error %d; training goes on): %r",
                     tracker.name, what, count, exc, exc_info=count == 1)
+
+
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
+
+
+def _markdown_cell(value: Any) -> str:
+    """``value`` as text that stays inside one markdown table cell and renders literally:
+    markdown punctuation escaped, HTML escaped (a chat template's ``<|im_start|>`` would
+    otherwise be dropped as a tag), newlines as ``<br>``."""
+    text = "" if value is None else str(value)
+    text = html.escape(_MARKDOWN_SPECIAL.sub(r"\\\1", text), quote=False)
+    return text.replace("\r\n", "\n").replace("\n", "<br>")
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` as one markdown table, the first row's keys as columns (TensorBoard's text)."""
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(_markdown_cell(c) for c in columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_markdown_cell(row.get(c)) for c in columns) + " |"
+              for row in rows]
+    return "\n".join(lines)
 
 
 def _require(module: str, field: str, package: str) -> None:
