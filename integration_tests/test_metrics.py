@@ -63,6 +63,13 @@ def test_every_tier_serves_metrics_during_a_run(tmp_path):
         t = scraped["trainer"]
         assert metric_value(t, "laminar_trainer_tokens_consumed_total") > 0
         assert metric_value(t, "laminar_trainer_staleness_trajectories") > 0
+        # The per-step training figures (the metrics.jsonl row) are gauges too.
+        assert metric_value(t, "laminar_trainer_grad_norm") > 0
+        assert metric_value(t, "laminar_trainer_entropy") > 0
+        assert metric_value(t, "laminar_trainer_response_length_mean") > 0
+        assert metric_value(t, "laminar_trainer_reward_by_source") >= 0
+        assert any('laminar_trainer_reward_by_source{' in line and 'data_source="none"' in line
+                   for line in t), [line for line in t if "reward_by_source" in line]
         assert 'job="metrics"' in next(iter(t))
         assert metric_value(scraped["manager"], "laminar_manager_workers") == 2
         assert metric_value(scraped["worker-1"], "laminar_worker_weight_version") >= 0

@@ -237,8 +237,9 @@ class ManagerConfig(LaminarModel):
     the unit of laminar mode's run-ahead bound (set it to the trainer's)."""
     max_staleness: int = Field(default=2, ge=0)
     """laminar mode: create new trajectories only while fewer than
-    (latest version + 1 + max_staleness) x batch_groups x group_size exist, so
-    generation runs at most this many versions ahead of the trainer."""
+    ((latest version + 1 + max_staleness) x batch_groups + filtered groups) x group_size
+    exist, so generation runs at most this many versions ahead of the trainer (a group
+    the trainer's dynamic sampling dropped, told by ``GroupsFiltered``, buys one more)."""
     max_prompts: int | None = Field(default=None, ge=1)
     """Stop dispatching after this many prompts (default: the whole file, once)."""
     epochs: int = Field(default=1, ge=1)
