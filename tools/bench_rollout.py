@@ -2,7 +2,10 @@
 continuous-batching gain over static batching on a long-tail length mix.
 
 Both parts run the real ``TorchEngine`` on a tiny random-init Qwen2 model built
-from a config (no download); the model size is printed. Response lengths are
+from a config (no download); the model size is printed. Part 1 also runs Hugging
+Face ``generate`` (sampling at temperature 1, the same model, batch, prompt and
+token count, ``min_new_tokens`` = ``max_new_tokens``) side by side: the engine
+computes every sampled token's log-prob as well, ``generate`` does not. Response lengths are
 forced through ``max_tokens`` with EOS disabled, so every run generates the
 same number of tokens and the comparison is reproducible. Static batching here
 means: requests are cut into batches of ``--max-batch`` in arrival order, and a
@@ -27,7 +30,8 @@ from statistics import NormalDist
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch-sizes", default="1,8,32", help="throughput batch sizes (comma list)")
+    p.add_argument("--batch-sizes", default="1,8,32,128",
+                   help="throughput batch sizes (comma list)")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens per request, part 1")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt length, both parts")
     p.add_argument("--requests", type=int, default=128, help="requests in the long-tail mix")
@@ -95,8 +99,23 @@ def main(argv: list[str] | None = None) -> int:
 
     run([GenerationRequest("warmup", prompt, SamplingParams(max_tokens=8))], 1)
 
-    print("\n[1] throughput, every request decodes the same length")
-    print(f"{'batch':>6} {'tokens':>8} {'seconds':>8} {'tokens/s':>10} {'vs batch 1':>10}")
+    def hf_generate(b: int) -> tuple[float, int, int]:
+        ids = torch.tensor([prompt] * b)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=args.decode_tokens,
+                                 min_new_tokens=args.decode_tokens, do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
+                                 pad_token_id=0)
+        secs = time.perf_counter() - start
+        return secs, args.decode_tokens, (out.shape[1] - len(prompt)) * b
+
+    hf_generate(1)  # warm-up
+
+    print("\n[1] throughput, every request decodes the same length; HF generate side by side")
+    print(f"{'batch':>6} {'tokens':>8} {'seconds':>8} {'tokens/s':>10} {'vs batch 1':>10} "
+          f"{'HF tok/s':>10} {'engine/HF':>10}")
     base = None
     for b in (int(x) for x in args.batch_sizes.split(",")):
         reqs = [
@@ -104,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(b)
         ]
         secs, _, tokens = best(lambda reqs=reqs, b=b: run(reqs, b))
-        rate = tokens / secs
+        hf_secs, _, hf_tokens = best(lambda b=b: hf_generate(b))
+        assert hf_tokens == tokens, (hf_tokens, tokens)
+        rate, hf_rate = tokens / secs, hf_tokens / hf_secs
         base = base or rate
-        print(f"{b:>6} {tokens:>8} {secs:>8.3f} {rate:>10.0f} {rate / base:>9.2f}x")
+        print(f"{b:>6} {tokens:>8} {secs:>8.3f} {rate:>10.0f} {rate / base:>9.2f}x "
+              f"{hf_rate:>10.0f} {rate / hf_rate:>9.2f}x")
 
     # stratified draw: the n quantiles of the log-normal, shuffled, so a short mix has
     # the configured tail exactly instead of a noisy p99

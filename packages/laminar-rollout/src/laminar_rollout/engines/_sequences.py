@@ -127,6 +127,14 @@ class SequenceTable:
         self._slots[slot] = seq
         return seq
 
+    def move(self, seq: SequenceState, slot: int) -> None:
+        """Move an active sequence into the free ``slot`` (the engine moves its state)."""
+        assert self._slots[seq.slot] is seq, "only an active sequence moves"
+        assert self._slots[slot] is None, f"slot {slot} is taken"
+        self._slots[seq.slot] = None
+        self._slots[slot] = seq
+        seq.slot = slot
+
     def preempt(self, seq: SequenceState) -> None:
         """Return an active sequence to the front of the queue (its tokens are kept)."""
         assert self._slots[seq.slot] is seq

@@ -8,12 +8,14 @@ How a step runs:
 1. **Decode.** Every active sequence feeds its last sampled token in *one*
    batched forward. The KV cache lives in a per-layer slot store
    ``[max_batch, kv_heads, capacity, head_dim]``; slot ``s`` holds its
-   sequence's keys/values at positions ``0 .. len_s - 1``. For the forward the
-   active slots are gathered into a ``DynamicCache`` of length ``L = max len``;
-   a 2-D attention mask hides each row's unused tail ``len_s .. L - 1`` (a
-   "hole" before the new token at column ``L``) and ``position_ids = len_s``
-   keeps RoPE positions exact. The new token's key/value is then written back
-   to slot ``s`` at ``len_s``.
+   sequence's keys/values at positions ``0 .. len_s - 1``, and the active
+   sequences always hold slots ``0 .. n - 1`` (a finished sequence's slot is
+   refilled by the last active one: one slot's cache copied, never the batch's).
+   The forward runs on a :class:`SlotCache` over views of the store, nothing
+   gathered: each layer writes the new token's key/value *in place* at
+   ``(s, len_s)`` and attends over ``store[:n, :, :L + 1]`` (``L`` = the longest
+   length); a 2-D attention mask keeps each row to its own ``0 .. len_s`` and
+   ``position_ids = len_s`` keeps RoPE positions exact.
 2. **Admit and prefill.** Freed slots take queued requests; all of them are
    prefilled in one right-padded forward (``prompt + resume`` tokens) and
    sample their first token from the last real position. A migrated request
@@ -46,6 +48,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ._sampling import sample_next_tokens
 from ._sequences import SequenceState, SequenceTable
@@ -93,6 +96,59 @@ def _kv_geometry(config: Any, dtype: torch.dtype) -> tuple[int, int, int, torch.
 
 def _num_layers(cache: Any) -> int:
     return len(cache.layers) if hasattr(cache, "layers") else len(cache.key_cache)
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer of :class:`SlotCache`: writes a decode step's keys/values into the slot
+    store in place and hands attention a view of the active rows (no copy)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                 lens: torch.Tensor, width: int) -> None:
+        super().__init__()
+        self.keys, self.values = keys, values
+        self._rows, self._lens, self._width = rows, lens, width
+        self._n = int(rows.numel())
+        self.is_initialized = True
+        self.device = keys.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None  # the store exists already
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[0] != self._n or key_states.shape[2] != 1:
+            raise EngineError(f"slot cache takes one new token for each of {self._n} rows, got "
+                              f"keys shaped {tuple(key_states.shape)}")
+        self.keys[self._rows, :, self._lens] = key_states[:, :, 0]
+        self.values[self._rows, :, self._lens] = value_states[:, :, 0]
+        end = self._width + 1
+        return self.keys[: self._n, :, :end], self.values[: self._n, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._width + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._width
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotCache(Cache):
+    """The decode step's cache: per layer, the engine's slot store for rows
+    ``0 .. n - 1`` whose new tokens go to positions ``lens`` (see the module docstring).
+    The model sees ``width = max(lens)`` past tokens per row; the attention mask hides
+    each row's columns past its own ``lens``."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 lens: torch.Tensor) -> None:
+        rows = torch.arange(lens.numel(), device=lens.device)
+        width = int(lens.max())
+        super().__init__(layers=[_SlotLayer(k, v, rows, lens, width)
+                                 for k, v in zip(keys, values)])
 
 
 class TorchEngine(GenerationEngine):
@@ -193,6 +249,8 @@ class TorchEngine(GenerationEngine):
         self._pending = [0] * max_batch
         self._kv_shape = _kv_geometry(config, next(model.parameters()).dtype)
         self.prefilled_tokens = 0
+        self.compactions = 0
+        """Sequences moved to a lower slot (one slot's cache copied each)."""
 
     @staticmethod
     def _load(path: str | os.PathLike[str], dtype: torch.dtype | None) -> PreTrainedModel:
@@ -461,23 +519,34 @@ class TorchEngine(GenerationEngine):
             seq.logprobs.append(lp)
             self._pending[seq.slot] = tok
 
+    def _compact(self) -> list[SequenceState]:
+        """Move active sequences down into free slots until they hold ``0 .. n - 1``
+        (one slot's cache copied per move); returns them in slot order."""
+        running = self._table.active()
+        n = len(running)
+        holes = [i for i in self._table.free_slots() if i < n]
+        movers = [s for s in reversed(running) if s.slot >= n]
+        for hole, seq in zip(holes, movers):
+            old, length = seq.slot, self._lens[seq.slot]
+            for k_store, v_store in zip(self._keys, self._values):
+                k_store[hole, :, :length] = k_store[old, :, :length]
+                v_store[hole, :, :length] = v_store[old, :, :length]
+            self._table.move(seq, hole)
+            self._lens[hole], self._pending[hole] = length, self._pending[old]
+            self.compactions += 1
+        return self._table.active()
+
     def _decode(self, seqs: list[SequenceState]) -> None:
         dev = self._device
-        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        seqs = self._compact()
         lens = torch.tensor([self._lens[s.slot] for s in seqs], device=dev)
         width = int(lens.max())
         self._ensure_capacity(width + 1)
-        cache = DynamicCache()
-        for layer, (k_store, v_store) in enumerate(zip(self._keys, self._values)):
-            cache.update(k_store[slots, :, :width], v_store[slots, :, :width], layer)
+        cache = SlotCache(self._keys, self._values, lens)
         cols = torch.arange(width + 1, device=dev)
-        mask = (cols[None, :] < lens[:, None]) | (cols[None, :] == width)
+        mask = cols[None, :] <= lens[:, None]
         input_ids = torch.tensor([[self._pending[s.slot]] for s in seqs], device=dev)
         logits = self._forward(input_ids, mask.long(), lens[:, None], cache, None)[:, -1]
-        for layer, (k_store, v_store) in enumerate(zip(self._keys, self._values)):
-            keys, values = _layer_kv(cache, layer)
-            k_store[slots, :, lens] = keys[:, :, -1]
-            v_store[slots, :, lens] = values[:, :, -1]
         for seq in seqs:
             self._lens[seq.slot] += 1
         self._sample(seqs, logits)
