@@ -39,6 +39,10 @@ if config.get("metrics"):
     with open(config["metrics"], "a") as fh:
         fh.write(json.dumps({"step": 1, "version": 1, "time": time.time(), "reward_mean": 0.5,
                              "tokens_per_s": 1.0, "step_s": 0.1, "wait_s": 0.1}) + "\n")
+if config.get("busy_s"):
+    end = time.process_time() + config["busy_s"]
+    while time.process_time() < end:
+        pass
 if config.get("exit") is not None:
     time.sleep(config.get("after_s", 0))
     sys.exit(config["exit"])
@@ -183,3 +187,19 @@ def test_a_run_dir_in_use_by_another_launch_is_refused(tmp_path):
     assert launcher.tier_children == []
     holder.release()
     assert _launcher(tmp_path, {"trainer": _tier(tmp_path, exit=0)}).run() == 0
+
+
+def test_each_tier_s_cpu_time_is_reported_and_written(tmp_path, capsys):
+    # The trainer burns 0.6 s of CPU and exits; the idle worker is stopped afterwards.
+    tiers = {"worker": _tier(tmp_path), "trainer": _tier(tmp_path, exit=0, busy_s=0.6)}
+    trainer_dir = tmp_path / "run" / "trainer"
+    trainer_dir.mkdir(parents=True)
+    launcher = _launcher(tmp_path, tiers, report=str(trainer_dir))
+    assert launcher.run() == 0
+    out = capsys.readouterr().out
+    assert "CPU time over " in out and "trainer " in out and "worker " in out
+    written = json.loads((trainer_dir / "cpu.json").read_text())
+    assert set(written["cpu_s"]) == {"trainer", "worker"}
+    assert written["cpu_s"]["trainer"] >= 0.55  # its final count, read before reaping
+    assert written["cpu_s"]["worker"] < written["cpu_s"]["trainer"]
+    assert written["wall_s"] > 0.5 and written["cores"] >= 1

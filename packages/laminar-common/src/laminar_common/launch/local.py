@@ -53,7 +53,9 @@ order on exit, failure or Ctrl-C — only the pids this launcher started.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -421,13 +423,43 @@ class LocalLauncher:
             self._say(f"{self.job.wait_for} exited with {codes}")
             return 0 if not any(codes) else 1
         finally:
+            t_stop = time.time()
             self.stop_all()
+            self._say_cpu(t_stop)
             self.launch.release()
             for s, h in previous.items():
                 signal.signal(s, h)
             # After the stop: workers write their timelines (stats_path) on exit.
             if self.job.report and self.tier_children:
                 self._report(fill_placeholders(self.job.report, self.subs))
+
+    def cpu_by_member(self) -> dict[str, float]:
+        """CPU seconds of each tier process of this launch (every thread, read from /proc;
+        final for the ones that exited), by process name; {} without /proc."""
+        out = {}
+        for _tier, child in self.tier_children:
+            cpu = child.cpu_seconds()
+            if cpu is not None:
+                out[child.name] = cpu
+        return out
+
+    def _say_cpu(self, stopped_at: float) -> None:
+        """Each tier's CPU time from the first tier's start to ``stopped_at`` (wall time),
+        so the bottleneck is visible; also ``cpu.json`` in the report's run dir."""
+        cpu = self.cpu_by_member()
+        if not cpu:
+            return
+        wall_s = stopped_at - min(c.started_at for _, c in self.tier_children)
+        cores = os.cpu_count() or 1
+        self._say(f"CPU time over {wall_s:.0f} s on {cores} cores: " + ", ".join(
+            f"{name} {secs:.1f} s" for name, secs in sorted(cpu.items(), key=lambda x: -x[1]))
+            + f"; total {sum(cpu.values()):.1f} s ({sum(cpu.values()) / max(wall_s, 1e-9) / cores:.0%}"
+            " of the cores)")
+        if self.job.report:
+            target = Path(fill_placeholders(self.job.report, self.subs))
+            if target.is_dir():
+                (target / "cpu.json").write_text(json.dumps(
+                    {"wall_s": wall_s, "cores": cores, "cpu_s": cpu}, indent=2))
 
     def _stop_for(self, child: ChildProcess) -> int:
         """Report ``child``'s early exit; the caller's ``finally`` stops the rest."""

@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from laminar_common.errors import LaminarError
 
@@ -46,6 +47,7 @@ class ChildProcess:
             env=full_env, cwd=cwd, text=True, bufsize=1,
         )
         self.pid = self.proc.pid
+        self._cpu_s: float | None = None
         self._reader = threading.Thread(target=self._read, name=f"out-{name}", daemon=True)
         self._reader.start()
 
@@ -97,18 +99,54 @@ class ChildProcess:
             return list(self.lines) if n is None else self.lines[-n:] if n > 0 else []
 
     def alive(self) -> bool:
+        self.cpu_seconds()  # before poll() reaps it: a zombie's counts are final
         return self.proc.poll() is None
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds of the process (every thread) and of the children it
+        reaped, read from ``/proc/PID/stat``; once it is gone, the last value read (the
+        final one when :meth:`alive` or :meth:`stop` saw it exit). None without /proc."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return self._cpu_s
+        if self.proc.returncode is not None:
+            return self._cpu_s  # reaped: the pid may belong to another process now
+        # fields after the ")" of the command name: utime, stime, cutime, cstime are 12-15
+        fields = stat.rsplit(")", 1)[1].split()
+        self._cpu_s = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        return self._cpu_s
+
+    def _wait_exit(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the process to exit *without* reaping it, then
+        read its final CPU time; True if it exited."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                done = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # reaped already
+                return True
+            if done is not None:
+                self.cpu_seconds()
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
     def kill(self) -> None:
         """SIGKILL this pid (a crash, as far as the rest of the job can tell)."""
         if self.alive():
             os.kill(self.pid, signal.SIGKILL)
+            self._wait_exit(10)
             self.proc.wait(10)
 
     def stop(self, grace_s: float = 10.0) -> int:
         """SIGTERM, wait up to ``grace_s``, then SIGKILL; returns the exit code."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
+            if not self._wait_exit(grace_s):
+                self.proc.kill()
+                self._wait_exit(grace_s)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
