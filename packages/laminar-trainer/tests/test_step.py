@@ -306,3 +306,20 @@ def test_trajectory_metrics_by_hand():
 def test_mini_batches_must_divide_the_step():
     with pytest.raises(ValueError, match=r"optim.mini_batches \(3\) must divide batch_groups"):
         _cfg(batch_groups=4, optim={"mini_batches": 3})
+
+
+def test_no_forward_is_wasted_on_the_proximal_log_probs():
+    model = Bigram()
+    start = model.table.detach()
+    groups = [_group(n, r, [(1, 1.0), (2, 0.0)], start) for n, r in (("a", 0), ("b", 3),
+                                                                       ("c", 4), ("d", 2))]
+    calls: list[int] = []
+    model.register_forward_hook(lambda _m, args, _out: calls.append(1))
+    for mini, epochs, expected in ((1, 1, 1), (4, 1, 3 + 4), (2, 2, 1 + 4)):
+        calls.clear()
+        cfg = _cfg(batch_groups=4, optim={"lr": 0.01, "mini_batches": mini, "epochs": epochs})
+        opt, sched = make_optimizer(model, cfg.optim, 10)
+        train_step(model, opt, sched, groups, cfg)
+        # one forward per update, plus one without a graph for every mini-batch but the
+        # first (the first update's own forward is at the proximal weights)
+        assert len(calls) == expected, (mini, epochs, len(calls))

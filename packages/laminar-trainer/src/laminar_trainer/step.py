@@ -17,8 +17,10 @@ updates. Per step:
    before the step's first update) are computed once, without a graph, for
    every trajectory of the step, so the trust region of every later update is
    anchored there and the clip (Clip-Higher included) acts from the second
-   update on. With one update the proximal policy *is* the current one, so
-   no extra forward is spent. The reference model's log-probs (KL penalty)
+   update on. The first mini-batch's first update runs at those weights, so
+   its own forward provides them (kept for its later epochs): the extra
+   forward covers the other mini-batches only. With one update the proximal
+   policy *is* the current one, so no extra forward is spent. The reference model's log-probs (KL penalty)
    are computed once per step too.
 4. Each update: forward/backward per micro-batch, each micro-batch's loss
    divided by the *whole mini-batch's* count (tokens, rows, or rows x
@@ -279,8 +281,11 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
         plan.append((micros, denominator, norm))
     loss_cfg = cfg.loss
     updates = cfg.optim.mini_batches * cfg.optim.epochs
-    if updates > 1 and loss_cfg.correction == "decoupled":
-        for micros, _, _ in plan:
+    keep_proximal = updates > 1 and loss_cfg.correction == "decoupled"
+    if keep_proximal:
+        # The first mini-batch's first update runs at the proximal weights: its own
+        # forward gives them (kept for its later epochs), so only the others need one.
+        for micros, _, _ in plan[1:]:
             for micro in micros:
                 micro.proximal = _no_grad_logprobs(model, micro, cfg, device)
     use_kl = ref_model is not None and loss_cfg.kl_coef > 0
@@ -299,7 +304,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
             update_loss = 0.0
             for micro in micros:
                 update_loss += _micro_step(model, micro, denominator, norm, world, cfg, device,
-                                           stats)
+                                           stats, keep_proximal)
             if dist is not None:
                 update_loss = dist.all_reduce([update_loss], "sum")[0]
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -330,13 +335,17 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
 
 
 def _micro_step(model, micro: _Micro, denominator: float, norm: float | None, world: int, cfg,
-                device, stats: _Stats) -> float:
-    """Forward and backward of one micro-batch; returns its share of the update's loss."""
+                device, stats: _Stats, keep_proximal: bool) -> float:
+    """Forward and backward of one micro-batch; returns its share of the update's loss.
+    ``keep_proximal``: a micro-batch without proximal log-probs is at the proximal
+    weights now, and keeps this forward's for its later updates."""
     loss_cfg = cfg.loss
     with autocast(device, cfg.dtype):
         logprobs, entropy = compute_token_logprobs_and_entropy(
             model, micro.input_ids, micro.attention, micro.temperatures,
             entropy_grad=loss_cfg.entropy_coef > 0)
+    if keep_proximal and micro.proximal is None:
+        micro.proximal = logprobs.detach()
     adv = micro.advantages[:, None].expand_as(logprobs)
     loss, step_stats = compute_policy_loss(
         logprobs, micro.old, adv, micro.mask, clip_low=loss_cfg.clip_low,
