@@ -576,12 +576,13 @@ class TorchEngine(GenerationEngine):
             pairs = [_layer_kv(cache, layer) for layer in range(_num_layers(cache))]
             self._allocate([k for k, _ in pairs], [v for _, v in pairs], width)
         self._ensure_capacity(width)
+        # One copy per layer for every admitted row: a row's padding past its own length
+        # lands in its slot too, where the decode mask (columns <= len) never reads it.
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
         for layer, (k_store, v_store) in enumerate(zip(self._keys, self._values)):
             keys, values = _layer_kv(cache, layer)
-            for i, seq in enumerate(seqs):
-                length = len(inputs[i])
-                k_store[seq.slot, :, :length] = keys[i, :, :length]
-                v_store[seq.slot, :, :length] = values[i, :, :length]
+            k_store[slots, :, :width] = keys[:, :, :width]
+            v_store[slots, :, :width] = values[:, :, :width]
         for i, seq in enumerate(seqs):
             self._lens[seq.slot] = len(inputs[i])
         self._sample(seqs, logits)
