@@ -139,3 +139,15 @@ def test_help_and_a_config_error_import_nothing_heavy():
     assert out.returncode == 0, out.stderr
     codes, heavy = json.loads(out.stdout)
     assert codes == [0, 0, 0, 2] and heavy == []
+
+
+def test_replicas_of_one_config_draw_different_random_streams():
+    from laminar_rollout.cli import engine_config_for
+    from laminar_rollout.config import SimulatedEngineConfig
+
+    eng = SimulatedEngineConfig()
+    assert eng.seed is None
+    seeds = {engine_config_for(eng, f"worker-{i}").seed for i in range(4)}
+    assert len(seeds) == 4 and None not in seeds
+    assert engine_config_for(eng, "worker-0").seed == engine_config_for(eng, "worker-0").seed
+    assert engine_config_for(SimulatedEngineConfig(seed=7), "worker-0").seed == 7  # kept

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import zlib
 
 import click
 
@@ -102,6 +103,15 @@ def _run(cmd: str, path: str | None, overrides: tuple[str, ...], print_config: b
         return 2
 
 
+def engine_config_for(eng, worker_id: str):
+    """``eng`` with its ``seed`` filled in when unset: CRC-32 of ``worker_id``, so that the
+    replicas of one job file (equal configs but for the id) draw different random streams
+    (same-seeded workers would sample the same draws for a group's samples)."""
+    if getattr(eng, "seed", 0) is None:
+        return eng.model_copy(update={"seed": zlib.crc32(worker_id.encode())})
+    return eng
+
+
 def make_worker_service(config):
     """Build a :class:`WorkerService` (engine, tokenizer, relay fetcher) from its config."""
     from laminar_common.auth import TlsFiles
@@ -113,7 +123,7 @@ def make_worker_service(config):
     from .tokenizer import make_tokenizer
     from .worker import WorkerService
 
-    eng = config.engine
+    eng = engine_config_for(config.engine, config.worker_id)
     engine = make_engine_from_config(eng)
     coordinator = make_coordinator(config.etcd, config.job)
     tls = TlsFiles.client_from_dir(config.auth.dir) if config.auth.dir else None

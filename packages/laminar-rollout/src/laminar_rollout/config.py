@@ -56,8 +56,9 @@ class TorchEngineConfig(LaminarModel):
     """torch device, e.g. cpu or cuda:0."""
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads (small models on shared CPUs prefer 1)."""
-    seed: int = 0
-    """Sampling seed of the engine."""
+    seed: int | None = None
+    """Sampling seed of the engine; unset: derived from the worker_id (CRC-32), so the
+    replicas of one job file draw different random streams."""
 
     _model_dir_exists = field_validator("model_dir")(check_model_dir)
 
@@ -84,8 +85,8 @@ class SimulatedEngineConfig(LaminarModel):
     """Prefill cost per prompt (or re-prefilled) token (seconds)."""
     vocab_size: int = Field(default=32000, ge=2)
     """Token ids are drawn below this."""
-    seed: int = 0
-    """Seed of lengths and tokens."""
+    seed: int | None = None
+    """Seed of lengths and tokens; unset: derived from the worker_id (CRC-32)."""
 
 
 class VllmEngineConfig(LaminarModel):
@@ -101,8 +102,8 @@ class VllmEngineConfig(LaminarModel):
     """Fraction of GPU memory vLLM may take."""
     context_length: int | None = Field(default=None, ge=2)
     """vLLM max_model_len."""
-    seed: int = 0
-    """Sampling seed."""
+    seed: int | None = None
+    """Sampling seed; unset: derived from the worker_id (CRC-32)."""
 
     _model_dir_exists = field_validator("model_dir")(check_model_dir)
 

@@ -86,14 +86,17 @@ def make_engine(kind: str, **kwargs: Any) -> GenerationEngine:
 
 
 def make_engine_from_config(config: EngineConfig) -> GenerationEngine:
-    """Build the engine a worker config's ``engine`` section describes (any ``type``)."""
+    """Build the engine a worker config's ``engine`` section describes (any ``type``; an
+    unset ``seed`` is 0 here: a worker fills it from its id first)."""
+    seed = getattr(config, "seed", 0)
+    seed = 0 if seed is None else seed
     if config.type == "torch":
         import torch
 
         torch.set_num_threads(config.threads)
         return make_engine("torch", model=config.model_dir, max_batch=config.max_batch,
                            context_length=config.context_length, device=config.device,
-                           seed=config.seed, dtype=getattr(torch, config.dtype))
+                           seed=seed, dtype=getattr(torch, config.dtype))
     if config.type == "simulated":
         return make_engine(
             "simulated", max_batch=config.max_batch, kv_capacity_tokens=config.kv_capacity_tokens,
@@ -101,11 +104,11 @@ def make_engine_from_config(config: EngineConfig) -> GenerationEngine:
                                      max_length=config.max_length),
             step_time_base=config.step_time_base, step_time_per_seq=config.step_time_per_seq,
             prefill_time_per_token=config.prefill_time_per_token,
-            vocab_size=config.vocab_size, seed=config.seed)
+            vocab_size=config.vocab_size, seed=seed)
     if config.type == "vllm":
         return make_engine("vllm", model=config.model_dir, max_batch=config.max_batch,
                            gpu_memory_utilization=config.gpu_memory_utilization,
-                           context_length=config.context_length, seed=config.seed)
+                           context_length=config.context_length, seed=seed)
     return make_engine("custom", factory=config.factory, **config.options)
 
 
