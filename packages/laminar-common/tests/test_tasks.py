@@ -211,3 +211,71 @@ def test_prompts_cli_applies_difficulty_and_refuses_bad_keys(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'maxlen=3'" in bad.stderr
     assert not (tmp_path / "q.jsonl").exists()
+
+
+def _quantile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def test_repeat_answers_repeat_the_unit_count_times():
+    records = make_task_records("repeat", 500, seed=0)
+    units, counts = set(), set()
+    for r in records:
+        unit, count = r["prompt"].removeprefix("repeat ").removesuffix("=").split("*")
+        assert r["prompt"] == f"repeat {unit}*{count}="
+        assert unit.isalpha() and unit.islower() and 1 <= len(unit) <= 2
+        assert count == str(int(count)) and int(count) >= 1
+        assert r["answer"] == unit * int(count)
+        assert len(r["answer"]) <= 48
+        units.add(len(unit))
+        counts.add(int(count))
+    assert units == {1, 2}
+    assert {1, 2, 3} <= counts and max(counts) > 10
+
+
+def test_repeat_is_deterministic_with_its_seed():
+    a = make_task_records("repeat", 200, seed=7)
+    assert a == make_task_records("repeat", 200, seed=7)
+    assert [r["prompt"] for r in a] != [r["prompt"] for r in make_task_records("repeat", 200, 8)]
+    train = make_task_records("repeat", 2000, seed=1)
+    held_out = make_task_records("repeat", 500, seed=2, split="eval")
+    assert find_overlap(train, held_out) == set()
+
+
+def test_repeat_answer_lengths_are_long_tailed():
+    # One character is one token of the demo's tokenizer, so these are token counts.
+    lengths = [len(r["answer"]) for r in make_task_records("repeat", 4000, seed=1)]
+    median, p99 = _quantile(lengths, 0.5), _quantile(lengths, 0.99)
+    assert 3 <= median <= 6
+    assert 30 <= p99 <= 48 and max(lengths) <= 48
+    assert 8 <= p99 / median <= 13
+    # The difficulty keywords move the distribution: a longer cap lets the tail grow.
+    longer = [len(r["answer"]) for r in make_task_records("repeat", 4000, 1, max_len=200)]
+    assert _quantile(longer, 0.99) > p99 and max(longer) > 48
+
+
+def test_repeat_scoring_and_mistake_by_hand():
+    record = {"id": "r", "task": "repeat", "prompt": "repeat ab*3=", "answer": "ababab"}
+    assert score_completion(record, "ababab") == 1.0
+    assert score_completion(record, "ababab\nabab") == 1.0  # after the end marker: ignored
+    assert score_completion(record, "abababab") == 0.0  # one unit too many
+    assert score_completion(record, "abab") == 0.0  # one too few: the plausible mistake
+    assert score_completion(record, "ababa") == 0.0
+    assert score_completion(record, "bababa") == 0.0
+    assert plausible_mistake(record) == "abab"
+    assert plausible_mistake({"task": "repeat", "prompt": "repeat z*1="}) == ""
+    for r in make_task_records("repeat", 300, seed=4):
+        unit, count = r["prompt"].removeprefix("repeat ").removesuffix("=").split("*")
+        assert plausible_mistake(r) == unit * (int(count) - 1) != r["answer"]
+    with pytest.raises(ValueError, match="is not a 'repeat' prompt"):
+        plausible_mistake({"task": "repeat", "prompt": "repeat ab3="})
+
+
+def test_repeat_refuses_bad_difficulty():
+    with pytest.raises(ValueError, match="min_unit <= max_unit"):
+        make_task_records("repeat", 1, 0, min_unit=3, max_unit=2)
+    with pytest.raises(ValueError, match="max_unit <= max_len"):
+        make_task_records("repeat", 1, 0, max_unit=4, max_len=3)
+    with pytest.raises(ValueError, match="median_count must be >= 1"):
+        make_task_records("repeat", 1, 0, median_count=0)

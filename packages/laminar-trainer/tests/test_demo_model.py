@@ -15,6 +15,7 @@ from laminar_common.launch.tasks import (
 from laminar_trainer.decoding import decode_completion, evaluate_accuracy, generate_completions
 from laminar_trainer.demo_model import (
     BOS_ID,
+    DEFAULT_MODEL_SIZES,
     EOS_ID,
     PAD_ID,
     UNK_ID,
@@ -231,3 +232,27 @@ def test_warm_start_records_its_demo_error_rate_and_refuses_bad_ones(tmp_path):
     with pytest.raises(ValueError, match=r"demo_error_rate must be in \[0, 1\), got 1.0"):
         warm_start(tmp_path / "x", steps=1, demo_error_rate=1.0)
     assert not (tmp_path / "x").exists()
+
+
+def test_repeat_records_fit_the_demo_model_with_their_eos(tokenizer):
+    # examples/longtail.yaml's sampling.max_tokens relies on this: no right answer is cut.
+    records = make_task_records("repeat", 4000, seed=1) + make_task_records(
+        "repeat", 1000, seed=2, split="eval")
+    for r in records[:50]:
+        assert len(tokenizer(r["answer"], add_special_tokens=False)["input_ids"]) == len(
+            r["answer"])
+    longest = max(len(tokenizer(r["prompt"])["input_ids"]) + len(r["answer"]) + 1
+                  for r in records)
+    assert longest <= DEFAULT_MODEL_SIZES["max_position_embeddings"]
+
+
+def test_noisy_repeat_demonstrations_stop_one_unit_early(tmp_path):
+    records = make_task_records("repeat", 1000, seed=0)
+    noisy = _with_mistakes(records, 0.6, seed=0)
+    mistaken = [n for n, r in zip(noisy, records) if n["answer"] != r["answer"]]
+    assert 0.55 < len(mistaken) / len(records) < 0.65  # the mistake is never right
+    assert all(n["answer"] == plausible_mistake(n) for n in mistaken)
+    result = warm_start(tmp_path, "repeat", steps=2, seed=0, model_sizes=SMALL, batch_size=8,
+                        n_eval=4, demo_error_rate=0.6)
+    assert json.loads((tmp_path / "warm_start.json").read_text())["task"] == "repeat"
+    assert 0.0 <= result.accuracy <= 1.0

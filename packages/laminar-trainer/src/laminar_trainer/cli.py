@@ -103,7 +103,7 @@ def _run(path: str | None, overrides: tuple[str, ...], resume: bool, print_confi
 @cli.command(short_help="build, briefly supervise and save the demo's tiny model",
              help="Build, briefly supervise and save the demo's tiny model.")
 @_option("--out", required=True, type=click.Path(), help="output directory (save_pretrained)")
-@_option("--task", default="sort", help="synthetic task (sort, reverse, add)")
+@_option("--task", default="sort", help="synthetic task (sort, reverse, add, repeat)")
 @_option("--steps", type=int, default=None,
          help="supervised steps (the most of them with --target-accuracy)")
 @_option("--difficulty", multiple=True, metavar="KEY=INT",

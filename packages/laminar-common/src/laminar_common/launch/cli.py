@@ -181,7 +181,7 @@ def _math_prompts(n: int, split: str, seed: int, out: str, difficulty: tuple[str
 
 
 @cli.command(help="Write prompt records: synthetic tasks as JSONL, math as verl parquet.")
-@_option("--task", default="sort", help="sort, reverse, add or math (math: --out *.parquet)")
+@_option("--task", default="sort", help="sort, reverse, add, repeat or math (math: --out *.parquet)")
 @_option("--n", type=int, default=1000, help="number of records")
 @_option("--split", type=click.Choice(["train", "eval"]), default="train", help="split")
 @_option("--seed", type=int, default=0, help="seed")

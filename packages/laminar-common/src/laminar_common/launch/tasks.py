@@ -16,6 +16,18 @@ Tasks (``TASKS``):
 - ``reverse``: reverse a list of digits, ``"reverse 3142="`` -> ``"2413"``.
 - ``add``: add two non-negative integers, ``"add 57+8="`` -> ``"65"``. Each
   operand has a digit count drawn uniformly from ``min_digits..max_digits``.
+- ``repeat``: repeat a string of letters, ``"repeat ab*3="`` -> ``"ababab"``.
+  The long-tail task: the unit has ``min_unit..max_unit`` letters (uniform)
+  and the count is log-normal (median ``median_count``, log-space standard
+  deviation ``REPEAT_SPREAD``), redrawn until the answer has at most
+  ``max_len`` characters. With the defaults the answer length over a train
+  split has median 4, p90 about 17 and p99 about 40 (p99 / median about 10),
+  and the longest prompt plus answer plus ``<eos>`` fits the demo model's 64
+  positions. Getting the answer right means stopping after exactly ``count``
+  units, which a small model does less reliably the longer the answer. Its
+  plausible mistake stops one unit early: RL that corrects it pushes towards
+  longer answers, so a policy that cannot count that far still writes long
+  ones and the long tail stays in the generated responses.
 
 Answer extraction (``extract_answer``): the completion is read up to the first
 ``ANSWER_END`` character (if any) and stripped of surrounding whitespace. A
@@ -44,7 +56,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
+import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +69,7 @@ from laminar_common.data.rewards import Prompt, score_exact_answer
 __all__ = [
     "ANSWER_END",
     "EVAL_BUCKETS",
+    "REPEAT_SPREAD",
     "SPLITS",
     "TASKS",
     "TASK_ALPHABET",
@@ -82,6 +97,11 @@ SPLITS = ("train", "eval")
 
 EVAL_BUCKETS = 10
 """One prompt in ``EVAL_BUCKETS`` (by hash) belongs to the eval split."""
+
+REPEAT_SPREAD = 1.1
+"""Standard deviation of the log of ``repeat``'s count (a log-normal); 1.1 puts the
+answer length's p99 near 10x its median (a log-normal's p99/median is exp(2.33 sigma),
+thinned here by the ``max_len`` cap)."""
 
 _MAX_DRAWS_PER_RECORD = 1000
 
@@ -144,6 +164,22 @@ def _draw_add(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str
     return f"add {a}+{b}=", str(a + b)
 
 
+def _draw_repeat(
+    rng: random.Random, min_unit: int, max_unit: int, median_count: int, max_len: int
+) -> tuple[str, str]:
+    _check_range("min_unit", min_unit, "max_unit", max_unit, floor=1)
+    _check_range("max_unit", max_unit, "max_len", max_len, floor=1)
+    if median_count < 1:
+        raise ValueError(f"median_count must be >= 1, got {median_count}")
+    unit = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_unit, max_unit)))
+    # Redrawing the count (not clamping it) keeps the tail free of a spike at max_len;
+    # count 1 always fits since max_unit <= max_len.
+    while True:
+        count = max(1, round(rng.lognormvariate(math.log(median_count), REPEAT_SPREAD)))
+        if len(unit) * count <= max_len:
+            return f"repeat {unit}*{count}=", unit * count
+
+
 def _operands(prompt: str, verb: str) -> str:
     return prompt[len(verb) + 1 : -1]
 
@@ -167,6 +203,14 @@ def _mistake_add(prompt: str) -> str:
     return str(out)
 
 
+def _mistake_repeat(prompt: str) -> str:
+    # One unit too few (the empty answer for a count of 1): the policy that stops early.
+    unit, sep, count = _operands(prompt, "repeat").partition("*")
+    if not sep or not unit.isalpha() or not count.isdigit():
+        raise ValueError("expected UNIT*COUNT")
+    return unit * (int(count) - 1)
+
+
 TASKS: dict[str, Task] = {
     "sort": Task(
         name="sort",
@@ -188,6 +232,13 @@ TASKS: dict[str, Task] = {
         defaults={"min_digits": 1, "max_digits": 3},
         description="add two non-negative integers",
         mistake=_mistake_add,
+    ),
+    "repeat": Task(
+        name="repeat",
+        draw=_draw_repeat,
+        defaults={"min_unit": 1, "max_unit": 2, "median_count": 3, "max_len": 48},
+        description="repeat a string of letters a (heavy-tailed) number of times",
+        mistake=_mistake_repeat,
     ),
 }
 
@@ -237,9 +288,10 @@ def plausible_mistake(record: Mapping[str, str]) -> str:
     """The task's systematic wrong answer to ``record``'s prompt.
 
     ``sort`` and ``reverse``: the digits as given; ``add``: the sum with its
-    carries dropped. It equals the right answer on some prompts (an already
-    sorted list, a palindrome, a sum without carries). Used to build noisy
-    demonstrations for a warm start that RL then has to correct.
+    carries dropped; ``repeat``: one repetition too few (the empty answer for a
+    count of 1). It equals the right answer on some prompts (an already sorted
+    list, a palindrome, a sum without carries; never for ``repeat``). Used to
+    build noisy demonstrations for a warm start that RL then has to correct.
 
     Raises:
         ValueError: unknown task, or a prompt not of the task's form.
