@@ -203,3 +203,10 @@ def test_each_tier_s_cpu_time_is_reported_and_written(tmp_path, capsys):
     assert written["cpu_s"]["trainer"] >= 0.55  # its final count, read before reaping
     assert written["cpu_s"]["worker"] < written["cpu_s"]["trainer"]
     assert written["wall_s"] > 0.5 and written["cores"] >= 1
+
+
+def test_tiers_get_passive_openmp_waits_unless_the_environment_says_otherwise():
+    from laminar_common.launch.processes import tier_env
+
+    assert tier_env({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert tier_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}

@@ -71,7 +71,7 @@ from laminar_common.errors import ConfigError, LaminarError
 from laminar_common.launch import preflight
 from laminar_common.launch.jobfile import JobFile, TierSpec, fill_placeholders
 from laminar_common.launch.local_etcd import LocalEtcd
-from laminar_common.launch.processes import ChildProcess
+from laminar_common.launch.processes import ChildProcess, tier_env
 from laminar_common.launch.readiness import wait_ready
 from laminar_common.launch.rundir import RunDir
 
@@ -307,7 +307,8 @@ class LocalLauncher:
             t0 = time.time()
             for i in range(self.replica_count(spec)):
                 name, argv = self.replica_argv(tier, spec, i)
-                child = ChildProcess(name, argv, str(logs / f"{name}.log"), append=False)
+                child = ChildProcess(name, argv, str(logs / f"{name}.log"), append=False,
+                                     env=tier_env(os.environ))
                 self.children.append(child)
                 self.tier_children.append((tier, child))
                 started[tier].append(child)

@@ -22,6 +22,18 @@ from laminar_common.errors import LaminarError
 __all__ = ["ChildProcess"]
 
 
+TIER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Environment every tier process gets unless the launching environment sets it: the
+tiers share the machine's cores, and OpenMP threads that spin while they wait for work
+(the default) take cycles from the other tiers (on a 2-core machine, one demo run each: the
+trainer's mean step 0.68 s with spinning, 0.62 s without)."""
+
+
+def tier_env(environ) -> dict[str, str]:
+    """The variables of :data:`TIER_ENV_DEFAULTS` that ``environ`` does not set."""
+    return {k: v for k, v in TIER_ENV_DEFAULTS.items() if k not in environ}
+
+
 class ChildProcess:
     """A subprocess whose output lines are kept and written to ``log_path``.
 

@@ -55,7 +55,7 @@ def _actor_class(ray):
 
             import ray
 
-            from laminar_common.launch.processes import ChildProcess
+            from laminar_common.launch.processes import ChildProcess, tier_env
 
             self.name = name
             if ray.get_runtime_context().was_current_actor_reconstructed:
@@ -66,7 +66,8 @@ def _actor_class(ray):
             argv = [sys.executable if a == "{python}" else a for a in argv]
             argv = [str(cfg) if a == "{config}" else a for a in argv]
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self.child = ChildProcess(name, argv, str(Path(log_dir) / f"{name}.log"))
+            self.child = ChildProcess(name, argv, str(Path(log_dir) / f"{name}.log"),
+                                      env=tier_env(os.environ))
             self.seen = 0
 
         def poll(self) -> tuple[bool, int | None, list[str], int]:
