@@ -324,7 +324,7 @@ class LocalLauncher:
         ``wait_for`` replica that exited with a non-zero code.
         """
         for tier, child in self.tier_children:
-            code = child.proc.poll()
+            code = child.poll()
             if code is not None and (tier != self.job.wait_for or code != 0):
                 return child
         return None
@@ -417,6 +417,8 @@ class LocalLauncher:
             for line in target[0].tail(None)[seen:]:
                 if line.startswith(("STEP", "EVAL", "TRAINER DONE")):
                     self._say(f"{target[0].name}: {line[:300]}")
+            for c in target:
+                c.wait_exit(60)  # its final CPU count, before wait() reaps it
             codes = [c.proc.wait() for c in target]
             for child in target:
                 if child.proc.returncode != 0:

@@ -89,7 +89,7 @@ class ChildProcess:
                     if m:
                         return m
                 seen = len(self.lines)
-                if self.proc.poll() is not None and not self._reader.is_alive():
+                if self.poll() is not None and not self._reader.is_alive():
                     raise LaminarError(
                         f"{self.name} exited with {self.proc.returncode} before printing "
                         f"/{pattern}/; last lines:\n" + "\n".join(self.lines[-20:])
@@ -105,14 +105,20 @@ class ChildProcess:
     def tail(self, n: int | None = 40) -> list[str]:
         """The last ``n`` output lines (None: all); once the process has exited, up to
         its last line."""
-        if self.proc.poll() is not None:
+        if self.poll() is not None:
             self._reader.join(timeout=5)
         with self._cond:
             return list(self.lines) if n is None else self.lines[-n:] if n > 0 else []
 
+    def poll(self) -> int | None:
+        """``Popen.poll``, after reading the CPU count (an exited process's final one,
+        before poll reaps it). Use this, not ``proc.poll()``, to keep that count."""
+        if self.proc.returncode is None and not self.wait_exit(0):
+            self.cpu_seconds()  # running: the count so far
+        return self.proc.poll()
+
     def alive(self) -> bool:
-        self.cpu_seconds()  # before poll() reaps it: a zombie's counts are final
-        return self.proc.poll() is None
+        return self.poll() is None
 
     def cpu_seconds(self) -> float | None:
         """User + system CPU seconds of the process (every thread) and of the children it
@@ -129,7 +135,7 @@ class ChildProcess:
         self._cpu_s = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
         return self._cpu_s
 
-    def _wait_exit(self, timeout_s: float) -> bool:
+    def wait_exit(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the process to exit *without* reaping it, then
         read its final CPU time; True if it exited."""
         deadline = time.monotonic() + timeout_s
@@ -149,16 +155,16 @@ class ChildProcess:
         """SIGKILL this pid (a crash, as far as the rest of the job can tell)."""
         if self.alive():
             os.kill(self.pid, signal.SIGKILL)
-            self._wait_exit(10)
+            self.wait_exit(10)
             self.proc.wait(10)
 
     def stop(self, grace_s: float = 10.0) -> int:
         """SIGTERM, wait up to ``grace_s``, then SIGKILL; returns the exit code."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
-            if not self._wait_exit(grace_s):
+            if not self.wait_exit(grace_s):
                 self.proc.kill()
-                self._wait_exit(grace_s)
+                self.wait_exit(grace_s)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:

@@ -73,12 +73,12 @@ def _actor_class(ray):
         def poll(self) -> tuple[bool, int | None, list[str], int]:
             lines = self.child.lines[self.seen:]
             self.seen += len(lines)
-            code = self.child.proc.poll()
+            code = self.child.poll()
             return code is None, code, lines, os.getpid()
 
         def fail_if_crashed(self) -> bool:
             """Exit the actor (so Ray restarts it) if the child crashed."""
-            code = self.child.proc.poll()
+            code = self.child.poll()
             if code not in (None, 0):
                 os._exit(1)
             return code is None
