@@ -243,6 +243,7 @@ def run_laminar(s: JobSettings, overrides: list[str], log_path: Path) -> dict:
         "rewards": [r["reward_mean"] for r in rows], "staleness_hist": summary["staleness_hist"],
         "trainer_idle_fraction": summary["trainer_idle_fraction"],
         "summary_tokens_per_s": summary["tokens_per_s"], "trainer_run_dir": str(trainer_dir),
+        "train_compute_s": sum(r["step_s"] for r in rows),
     }
 
 
@@ -419,8 +420,10 @@ def report(s: JobSettings, lam: dict, trls: list[dict], matched: list[str],
          100 * (trl["eval_after"] - trl["eval_before"]), "+.1f")
     line("train reward, first step", lam["reward_first"], trl["reward_first"], ".3f")
     line("train reward, last step", lam["reward_last"], trl["reward_last"], ".3f")
-    print(f"TRL time generating and scoring: {trl['generate_s']:.1f}s of its window; Laminar "
-          f"trainer idle {100 * lam['trainer_idle_fraction']:.0f}% of its run")
+    print(f"TRL time generating and scoring: {trl['generate_s']:.1f}s of its window, training "
+          f"the rest ({trl['window_s'] - trl['generate_s']:.1f}s); Laminar trainer steps "
+          f"{lam['train_compute_s']:.1f}s of its window (beside generation), idle "
+          f"{100 * lam['trainer_idle_fraction']:.0f}% of its run")
     if len(trls) > 1:
         for t in trls:
             print(f"  TRL seed {t['seed']}: window {t['window_s']:.1f}s, "
