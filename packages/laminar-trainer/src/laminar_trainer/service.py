@@ -494,7 +494,7 @@ class TrainerService(Service):
         if self._t_first_step is None:
             self._t_first_step = time.monotonic() - waited
         trajs = [t for g in groups for t in g.trajectories()]
-        result, train_s = self._train(groups, trajs)
+        result, train_s = self._train(groups)
         stall = self._maybe_publish()
         self._account(trajs, result)
         metrics = self._step_metrics(trajs, result, consume_version, train_s, waited, stall)
@@ -504,7 +504,7 @@ class TrainerService(Service):
         # After the step's row: W&B refuses anything logged at a step below one it saw.
         self.samples.maybe_log(self.step, self.version, groups)
 
-    def _train(self, groups: list[Group], trajs: list[Trajectory]) -> tuple[StepResult, float]:
+    def _train(self, groups: list[Group]) -> tuple[StepResult, float]:
         """The optimizer step (across ranks, in one process, or simulated)."""
         cfg = self.config
         t0 = time.monotonic()
@@ -512,8 +512,6 @@ class TrainerService(Service):
             result = train_step(self.model, self.optimizer, self.scheduler,
                                 self.dist.send_step(groups), cfg, ref_model=self.ref_model,
                                 dist=self.dist)
-            result.reward_mean = statistics.fmean(t.reward for t in trajs)
-            result.tokens = sum(len(t.response_token_ids) for t in trajs)
         elif self.model is not None:
             result = train_step(self.model, self.optimizer, self.scheduler, groups, cfg,
                                 ref_model=self.ref_model)

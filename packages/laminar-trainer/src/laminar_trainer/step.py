@@ -327,7 +327,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     out["grad_norm"] = statistics.fmean(norms)
     out["grad_norm_max"] = max(norms)
     # A group whose samples all scored the same has zero advantage: it teaches nothing.
-    uniform = sum(1 for g in groups if len({t.reward for t in g.trajectories()}) <= 1)
+    uniform = sum(1 for g in groups if not g.informative)
     out["uniform_group_fraction"] = uniform / len(groups) if groups else 0.0
     out["lr"] = scheduler.get_last_lr()[0]
     return StepResult(statistics.fmean(losses), sum(t.reward for t in trajs_all) / len(trajs_all),
