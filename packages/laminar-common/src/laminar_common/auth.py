@@ -9,9 +9,17 @@ is not there is refused, logged at WARNING with its key, and counted in
 :data:`REFUSED`. A peer without the server's public key cannot even complete
 the handshake.
 
-gRPC (relay control plane): TLS with a CA written by ``laminar keys``
-(``ca.pem``, ``server.pem`` / ``server-key.pem`` for 127.0.0.1 and
-localhost, ``client.pem`` / ``client-key.pem`` for mutual TLS).
+gRPC (relay control plane): mutual TLS with a CA written by ``laminar keys``
+(``ca.pem``; ``server.pem`` / ``server-key.pem`` naming 127.0.0.1, localhost
+and the ``--host`` names and addresses given, which relays also present as
+clients of each other; ``client.pem`` / ``client-key.pem`` for readers;
+``publisher.pem`` / ``publisher-key.pem`` for the trainer). Each certificate's
+common name is its role: a relay lets only :data:`PUBLISHER_CN` and
+:data:`RELAY_CN` publish (:func:`peer_role`). Hand ``publisher*.pem`` to the
+trainer's hosts only (``laminar keys --split`` writes a directory per tier).
+
+Weight data plane: the relay's chunk socket is a CURVE server like every
+binding ZeroMQ socket, so only authorized keys push chunks.
 
 etcd: ``laminar keys --etcd`` adds a separate etcd PKI with the same layout
 under an ``etcd-`` prefix (``etcd-ca.pem``, ``etcd-server.pem`` /
@@ -43,7 +51,8 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from laminar_common.errors import ConfigError
 
-__all__ = ["CurveAuth", "TlsFiles", "create_keys", "etcd_tls_paths", "grpc_channel",
+__all__ = ["CurveAuth", "TlsFiles", "create_keys", "split_keys", "peer_role", "PUBLISHER_CN",
+           "RELAY_CN", "CLIENT_CN", "etcd_tls_paths", "grpc_channel",
            "grpc_server_credentials", "REFUSED", "ETCD_CA", "ETCD_CLIENT_CERT", "ETCD_CLIENT_KEY",
            "ETCD_SERVER_CERT", "ETCD_SERVER_KEY"]
 
@@ -54,6 +63,14 @@ ETCD_SERVER_CERT = "etcd-server.pem"
 ETCD_SERVER_KEY = "etcd-server-key.pem"
 ETCD_CLIENT_CERT = "etcd-client.pem"
 ETCD_CLIENT_KEY = "etcd-client-key.pem"
+
+PUBLISHER_CN = "laminar-publisher"
+"""Common name of the trainer's client certificate: may publish weights."""
+RELAY_CN = "laminar-server"
+"""Common name of the relays' certificate (server, and client of other relays)."""
+CLIENT_CN = "laminar-client"
+"""Common name of the readers' (rollouts') client certificate: may only read."""
+_CERT_OF_ROLE = {"client": "client", "publisher": "publisher", "relay": "server"}
 
 REFUSED: collections.Counter[str] = collections.Counter()
 """CURVE client keys refused by this process's ZAP handler (z85 text -> count)."""
@@ -144,11 +161,29 @@ class TlsFiles:
         return cls(_read(d / "ca.pem"), _read(d / "server.pem"), _read(d / "server-key.pem"))
 
     @classmethod
-    def client_from_dir(cls, path: str | Path) -> TlsFiles:
+    def client_from_dir(cls, path: str | Path, role: str = "client") -> TlsFiles:
+        """The CA plus the client certificate of ``role`` (client, publisher or relay).
+
+        A missing certificate leaves server-only TLS (refused by a relay that
+        requires mutual TLS), except ``publisher``: the trainer must hold one.
+        """
         d = Path(path)
-        cert = d / "client.pem"
-        return cls(_read(d / "ca.pem"), _read(cert) if cert.is_file() else None,
-                   _read(d / "client-key.pem") if cert.is_file() else None)
+        name = _CERT_OF_ROLE[role]
+        cert = d / f"{name}.pem"
+        if not cert.is_file():
+            if role == "publisher":
+                raise ConfigError(
+                    f"auth.dir {str(d)!r} holds no publisher.pem: the trainer needs the "
+                    "publisher certificate to publish weights (`laminar keys --out DIR` "
+                    "writes it into a new DIR; a DIR from before it existed must be re-created)")
+            return cls(_read(d / "ca.pem"))
+        return cls(_read(d / "ca.pem"), _read(cert), _read(d / f"{name}-key.pem"))
+
+
+def peer_role(context) -> str | None:
+    """The common name of a gRPC caller's verified client certificate (None: no certificate)."""
+    names = context.auth_context().get("x509_common_name") or []
+    return names[0].decode(errors="replace") if names else None
 
 
 def grpc_server_credentials(tls: TlsFiles, mutual: bool = False):
@@ -223,11 +258,14 @@ def etcd_tls_paths(path: str | Path) -> dict[str, str]:
     return out
 
 
-def create_keys(out: str | Path, etcd_hosts: Sequence[str] | None = None) -> Path:
-    """Write CURVE keypairs and a TLS CA + server/client certificates into ``out``.
+def create_keys(out: str | Path, etcd_hosts: Sequence[str] | None = None,
+                hosts: Sequence[str] = ()) -> Path:
+    """Write CURVE keypairs and a TLS CA + server/client/publisher certificates into ``out``.
 
     Args:
         out: the directory (created if needed); it becomes ``auth.dir``.
+        hosts: DNS names or IP addresses the relays' server certificate names
+            besides 127.0.0.1 and localhost (every address a relay advertises).
         etcd_hosts: when given (even empty), also write the etcd PKI
             (``etcd-*.pem``); its server certificate names 127.0.0.1,
             localhost and these hosts (DNS names or IP addresses).
@@ -238,13 +276,14 @@ def create_keys(out: str | Path, etcd_hosts: Sequence[str] | None = None) -> Pat
         if not (d / f"{name}.key_secret").is_file():
             zmq.auth.create_certificates(str(d), name)
     (d / "authorized" / "client.key").write_bytes((d / "client.key").read_bytes())
-    _create_tls(d, "", ())
+    _create_tls(d, "", tuple(hosts), ("server", "client", "publisher"))
     if etcd_hosts is not None:
         _create_tls(d, "etcd-", tuple(etcd_hosts))
     return d
 
 
-def _create_tls(d: Path, prefix: str, hosts: Sequence[str]) -> None:
+def _create_tls(d: Path, prefix: str, hosts: Sequence[str],
+                names: Sequence[str] = ("server", "client")) -> None:
     """A CA plus one server and one client certificate, as ``<prefix>{ca,server,client}*.pem``.
 
     The CA key is not kept, so an existing ``<prefix>ca.pem`` means the set is
@@ -277,7 +316,7 @@ def _create_tls(d: Path, prefix: str, hosts: Sequence[str]) -> None:
           .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=365))
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .sign(ca_key, hashes.SHA256()))
-    for name in ("server", "client"):
+    for name in names:
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (x509.CertificateBuilder()
                    .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
@@ -292,3 +331,36 @@ def _create_tls(d: Path, prefix: str, hosts: Sequence[str]) -> None:
         (d / f"{prefix}{name}-key.pem").write_bytes(pem_key(key))
     # Written last: its presence is what marks the set complete.
     (d / f"{prefix}ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+
+# What each tier's directory holds (``laminar keys --split``): the trainer publishes
+# (publisher.pem) and binds; relays serve TLS and CURVE; rollouts read and the
+# manager binds. Nobody but the trainer gets publisher-key.pem.
+_SPLIT = {
+    "trainer": ("ca.pem", "publisher.pem", "publisher-key.pem", "client.key", "client.key_secret",
+                "server.key", "server.key_secret", "authorized/client.key"),
+    "relay": ("ca.pem", "server.pem", "server-key.pem", "client.key", "client.key_secret",
+              "server.key", "server.key_secret", "authorized/client.key"),
+    "rollout": ("ca.pem", "client.pem", "client-key.pem", "client.key", "client.key_secret",
+                "server.key", "server.key_secret", "authorized/client.key"),
+}
+
+
+def split_keys(src: str | Path, out: str | Path) -> dict[str, Path]:
+    """Copy from a full ``laminar keys`` dir one ``auth.dir`` per tier: ``out/{trainer,relay,rollout}``.
+
+    Etcd client files (``etcd-ca.pem``, ``etcd-client*.pem``) go to every tier when present.
+    """
+    s, o = Path(src), Path(out)
+    etcd = [n for n in (ETCD_CA, ETCD_CLIENT_CERT, ETCD_CLIENT_KEY) if (s / n).is_file()]
+    made = {}
+    for tier, names in _SPLIT.items():
+        d = o / tier
+        (d / "authorized").mkdir(parents=True, exist_ok=True)
+        for name in (*names, *etcd):
+            if not (s / name).is_file():
+                raise ConfigError(f"laminar keys --split: {s / name} is missing; run "
+                                  f"`laminar keys --out {s}` first")
+            (d / name).write_bytes((s / name).read_bytes())
+        made[tier] = d
+    return made

@@ -51,8 +51,9 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 5
-"""5: :class:`Trajectory` carries its task's ``data_source`` (the dataset it came
+PROTOCOL_VERSION = 6
+"""6: member records carry ``host_id`` (same-host decisions compare it, not host
+names) and a relay's fetch reply names its host id. 5: :class:`Trajectory` carries its task's ``data_source`` (the dataset it came
 from, for per-source metrics); adds :class:`GroupsFiltered` (trainer -> manager,
 dynamic sampling). 4: :class:`PromptTask` carries chat ``messages`` and nested
 JSON ``metadata`` (a record's fields as the dataset holds them); :class:`Trajectory` carries the

@@ -32,6 +32,8 @@ __all__ = [
     "LoggingConfig",
     "MetricsConfig",
     "AuthConfig",
+    "HostConfig",
+    "ListenConfig",
     "check_etcd_tls",
     "load_config",
     "read_config_file",
@@ -186,8 +188,21 @@ class AuthConfig(LaminarModel):
     authorized client keys connect) and the relay's gRPC uses TLS; when it also holds
     ``etcd-ca.pem`` (``laminar keys --etcd``), etcd is reached over TLS, with the
     ``etcd-client.pem`` client certificate when there is one."""
-    mutual_tls: bool = False
-    """gRPC: also require client certificates (mTLS)."""
+    mutual_tls: bool = True
+    """gRPC: require client certificates (mutual TLS), so a relay knows who calls: only
+    the trainer's ``publisher.pem`` (and relays' own certificate) may publish. False
+    leaves server-only TLS, where anyone holding the CA may publish."""
+    insecure: bool = False
+    """``laminar up`` refuses a job that spans hosts without ``auth.dir``; writing
+    ``auth: {insecure: true}`` runs it anyway (warned loudly): anyone who can reach a
+    socket may then push trajectories or publish weights."""
+
+    @model_validator(mode="after")
+    def _dir_or_insecure(self) -> AuthConfig:
+        if self.dir is not None and self.insecure:
+            raise ValueError("auth.insecure: true contradicts auth.dir (authentication on); "
+                             "set one of them")
+        return self
 
     def curve(self):
         """The job's CURVE keys, or None when authentication is off."""
@@ -196,6 +211,57 @@ class AuthConfig(LaminarModel):
         from laminar_common.auth import CurveAuth
 
         return CurveAuth.from_dir(self.dir)
+
+
+class HostConfig(LaminarModel):
+    """Base of a tier config: which host this member is on (for same-host decisions)."""
+
+    host_id: str | None = Field(default=None, min_length=1, pattern=r"^\S+$")
+    """This machine's identity in member records: members with equal host ids share
+    memory (a worker maps its relay's weights instead of copying them). Default: the
+    machine id (``/etc/machine-id``); set it where that is not unique per machine (cloned
+    images) or to split one machine into emulated hosts. Never the host name."""
+
+    @property
+    def host(self) -> str:
+        """The resolved host identity."""
+        from laminar_common.net import host_identity
+
+        return host_identity(self.host_id)
+
+
+class ListenConfig(HostConfig):
+    """Base of the config of a tier that listens: where it binds and what it advertises."""
+
+    bind_host: str | None = None
+    """Interface its sockets bind. Default: the advertised address only (never every
+    interface unless asked): ``0.0.0.0`` / ``::`` binds all."""
+    advertise_host: str | None = None
+    """Address peers are told (etcd member record). Default: ``bind_host`` when that is a
+    specific address, else the local address of the interface that routes to the etcd
+    endpoint (127.0.0.1 with a local etcd). A loopback address while etcd is on another
+    host is refused."""
+
+    @model_validator(mode="after")
+    def _no_loopback_advertisement(self) -> ListenConfig:
+        etcd = getattr(self, "etcd", None)
+        explicit = self.advertise_host or (
+            None if self.bind_host is None or self.bind_host in ("0.0.0.0", "::", "*")
+            else self.bind_host)
+        if etcd is not None and explicit is not None:
+            from laminar_common.net import resolve_listen
+
+            try:
+                resolve_listen(self.bind_host, self.advertise_host, etcd.endpoints)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from exc
+        return self
+
+    def addresses(self):
+        """Resolve bind and advertised addresses (:func:`laminar_common.net.resolve_listen`)."""
+        from laminar_common.net import resolve_listen
+
+        return resolve_listen(self.bind_host, self.advertise_host, self.etcd.endpoints)
 
 
 class LoggingConfig(LaminarModel):

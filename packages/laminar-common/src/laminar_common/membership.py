@@ -34,6 +34,7 @@ import msgspec
 from laminar_common.codec import PROTOCOL_VERSION
 from laminar_common.errors import CoordinationError, ProtocolError
 from laminar_common.keys import JobKeys
+from laminar_common.net import host_identity
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class MemberRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     address: str = ""
     host: str = msgspec.field(default_factory=socket.gethostname)
+    """The host name, for people reading ``laminar status``; never compared."""
+    host_id: str = msgspec.field(default_factory=host_identity)
+    """The machine's identity (:func:`laminar_common.net.host_identity`): members with
+    equal host ids are on one host and may share memory."""
     package_version: str = ""
     protocol_version: int = PROTOCOL_VERSION
     capacity: int = 0

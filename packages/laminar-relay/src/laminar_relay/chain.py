@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+from laminar_common.auth import CurveAuth
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.membership import MemberRecord
 from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
@@ -103,6 +104,7 @@ class ChainForwarder:
         commit_timeout_s: float = 60.0,
         max_bytes_per_s: int = 0,
         poll_s: float = 0.2,
+        curve: CurveAuth | None = None,
     ) -> None:
         self._store = store
         self.member_id = member_id
@@ -115,7 +117,7 @@ class ChainForwarder:
         self._downstream: MemberRecord | None = None
         self._pending: dict[int, int] = {}  # version -> attempts so far
         self._stop = threading.Event()
-        self._senders = ChunkSenders(hwm=send_hwm, send_timeout_s=send_timeout_s)
+        self._senders = ChunkSenders(hwm=send_hwm, send_timeout_s=send_timeout_s, auth=curve)
         self.forwarded_version = -1
         self.forwarding: int | None = None
         self.forwarded_total = 0

@@ -18,6 +18,7 @@ from laminar_common.config import (
     AuthConfig,
     EtcdConfig,
     LaminarModel,
+    ListenConfig,
     LoggingConfig,
     MetricsConfig,
 )
@@ -94,17 +95,13 @@ class ChainConfig(LaminarModel):
     """How often to re-check the election and the chain (default: TTL / 3)."""
 
 
-class RelayConfig(LaminarModel):
+class RelayConfig(ListenConfig):
     """Everything ``laminar-relay serve`` needs."""
 
     job: str = "laminar"
     """Job name: relays, trainer and rollouts of one job share it (etcd prefix)."""
     member_id: str | None = None
     """This relay's id in etcd (default: ``relay-<hostname>-<pid>``)."""
-    bind_host: str = "0.0.0.0"
-    """Interface the gRPC and data-plane servers listen on."""
-    advertise_host: str | None = None
-    """Host name or IP peers use to reach this relay (default: the host name)."""
     grpc_port: int = Field(default=0, ge=0, le=65535)
     """Control API (gRPC) port (0: any free port; it is advertised in etcd)."""
     grpc_workers: int = Field(default=16, ge=2)
@@ -118,7 +115,8 @@ class RelayConfig(LaminarModel):
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus /metrics endpoint (off unless metrics.port is set)."""
     auth: AuthConfig = AuthConfig()
-    """TLS on the gRPC control API (and between relays); off unless auth.dir is set."""
+    """With auth.dir: mutual TLS on the gRPC control API (only the trainer's certificate
+    and relays' own may publish) and CURVE on the weight data plane; off unless set."""
     logging: LoggingConfig = LoggingConfig()
 
     @field_validator("job")

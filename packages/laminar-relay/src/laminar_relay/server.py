@@ -14,6 +14,9 @@ Invariants:
 - Only the master accepts publishes from a publisher, and only for a version
   newer than the one published in etcd.
 - A caller that does not send our ``PROTOCOL_VERSION`` is refused.
+- Under mutual TLS only the trainer's publisher certificate opens a publish
+  (``ORIGIN_PUBLISHER``) and only a relay's certificate forwards one
+  (``ORIGIN_RELAY``); a reader's certificate is refused (PERMISSION_DENIED).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 
 import grpc
 
+from laminar_common.auth import PUBLISHER_CN, RELAY_CN, peer_role
 from laminar_common.codec import PROTOCOL_VERSION, WeightManifest
 from laminar_common.errors import LaminarError, ProtocolError
 from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
@@ -33,6 +37,7 @@ from laminar_common.relay.wire import (
     ERROR_METADATA_KEY,
     PROTOCOL_METADATA_KEY,
     NotMasterError,
+    PermissionDeniedError,
     ProtocolMismatchError,
     VersionConflictError,
     manifest_from_proto,
@@ -93,6 +98,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         commit_timeout_s: how long a commit waits for chunks in flight.
         reader_lease_s: reader lease TTL.
         max_fetch_wait_s: cap on a fetch's wait for a version still arriving.
+        check_publisher: require a client certificate of the publisher (trainer)
+            or a relay on every publish call (the server runs mutual TLS).
         max_waiting_fetches: fetches allowed to wait at once; more answer at
             once (NOT_FOUND if the version is not here), so waiting readers can
             never occupy every server thread and starve the publish calls that
@@ -115,7 +122,9 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         reader_lease_s: float = 300.0,
         max_fetch_wait_s: float = 120.0,
         max_waiting_fetches: int = 8,
+        check_publisher: bool = False,
     ) -> None:
+        self.check_publisher = check_publisher
         self.store = store
         self.relay_id = relay_id
         self.host = host
@@ -142,6 +151,18 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
 
     # -- publish ------------------------------------------------------------
 
+    def _may_publish(self, context: grpc.ServicerContext, call: str, origin: int | None) -> None:
+        if not self.check_publisher:
+            return
+        role = peer_role(context)
+        allowed = {relay_pb2.ORIGIN_PUBLISHER: (PUBLISHER_CN,), relay_pb2.ORIGIN_RELAY: (RELAY_CN,),
+                   None: (PUBLISHER_CN, RELAY_CN)}.get(origin, ())
+        if role not in allowed:
+            raise PermissionDeniedError(
+                f"{call} from {context.peer()}: its certificate ({role or 'none'}) may not "
+                f"publish; only the trainer's publisher certificate ({PUBLISHER_CN}) and "
+                f"relays ({RELAY_CN}) may")
+
     @_rpc
     def BeginPublish(self, request, context):
         if not request.HasField("manifest"):
@@ -150,6 +171,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             raise ProtocolError(
                 f"BeginPublish origin {request.origin} is neither PUBLISHER nor RELAY"
             )
+        self._may_publish(context, "BeginPublish", request.origin)
         if not request.sender_id:
             raise ProtocolError("BeginPublish carries no sender_id")
         layout = manifest_from_proto(request.manifest)
@@ -186,6 +208,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
 
     @_rpc
     def CommitPublish(self, request, context):
+        self._may_publish(context, "CommitPublish", None)
         session = self.store.session(request.session)
         before_seal = None if session.from_relay else self._make_visible
         stored = self.store.commit(
@@ -209,6 +232,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
 
     @_rpc
     def AbortPublish(self, request, context):
+        self._may_publish(context, "AbortPublish", None)
         reason = request.reason or "aborted by the sender"
         self.store.abort(request.session, reason[:500])
         return relay_pb2.AbortPublishReply()

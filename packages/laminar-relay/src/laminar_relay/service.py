@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from laminar_common.auth import TlsFiles, grpc_channel, grpc_server_credentials
+from laminar_common.auth import CurveAuth, TlsFiles, grpc_channel, grpc_server_credentials
 from laminar_common.codec import PROTOCOL_VERSION, WeightManifest
 from laminar_common.errors import (
     CoordinationError,
@@ -43,6 +43,7 @@ from laminar_common.errors import (
 )
 from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent, VersionRecord
 from laminar_common.metrics import Metric, MetricsServer
+from laminar_common.net import host_identity
 from laminar_common.relay.dataplane import ChunkFrame, ZmqChunkReceiver
 from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
 from laminar_common.relay.wire import (
@@ -87,7 +88,7 @@ class RelayService(Service):
         store: the weight store.
         bind_host: interface the servers listen on.
         advertise_host: host name or IP peers use to reach this relay.
-        host: host name same-host readers compare with theirs.
+        host: host id same-host readers compare with theirs (default: this machine's).
         store_backend: ``memfd`` or ``heap`` (advertised in etcd).
         grpc_port / data_port: ports (0: any free port).
         grpc_workers: gRPC server threads.
@@ -134,8 +135,10 @@ class RelayService(Service):
         tls_server: TlsFiles | None = None,
         tls_client: TlsFiles | None = None,
         mutual_tls: bool = False,
+        curve: CurveAuth | None = None,
     ) -> None:
         super().__init__()
+        self._curve = curve
         self._tls_server = tls_server
         self._tls_client = tls_client
         self._mutual_tls = mutual_tls
@@ -146,8 +149,8 @@ class RelayService(Service):
         self.coordinator = coordinator
         self.store = store
         self.bind_host = bind_host
-        self.advertise_host = advertise_host or socket.gethostname()
-        self.host = host or socket.gethostname()
+        self.advertise_host = advertise_host or bind_host
+        self.host = host or host_identity()
         self.store_backend = store_backend
         self._grpc_port = grpc_port
         self._grpc_workers = grpc_workers
@@ -193,6 +196,7 @@ class RelayService(Service):
             max_chunk_bytes=self._max_chunk_bytes,
             hwm=self._send_hwm,
             name=f"data-plane-{self.member_id}",
+            auth=self._curve,
         )
         self.data_endpoint = self._receiver.endpoint
         self.forwarder = ChainForwarder(
@@ -204,6 +208,7 @@ class RelayService(Service):
             rpc_timeout_s=self._rpc_timeout_s,
             commit_timeout_s=self._commit_timeout_s,
             max_bytes_per_s=self._max_forward_bytes_per_s,
+            curve=self._curve,
         ).start()
         self.servicer = RelayServicer(
             self.store,
@@ -219,6 +224,7 @@ class RelayService(Service):
             reader_lease_s=self._reader_lease_s,
             max_fetch_wait_s=self._max_fetch_wait_s,
             max_waiting_fetches=max(1, self._grpc_workers - 4),
+            check_publisher=self._tls_server is not None and self._mutual_tls,
         )
         self._server = grpc.server(
             ThreadPoolExecutor(self._grpc_workers, thread_name_prefix="relay-grpc"),
@@ -252,7 +258,7 @@ class RelayService(Service):
                 member_id=self.member_id,
                 role=RELAY_ROLE,
                 address=self.address,
-                host=self.host,
+                host_id=self.host,
                 package_version=__version__,
                 protocol_version=PROTOCOL_VERSION,
                 capacity=self.store.max_bytes,
@@ -483,12 +489,14 @@ def make_relay_service(config: RelayConfig, coordinator: Coordinator | None = No
         from laminar_common.etcd import make_coordinator
 
         coordinator = make_coordinator(config.etcd, config.job)
+    listen = config.addresses()
     return RelayService(
         member_id=member_id,
         coordinator=coordinator,
         store=store,
-        bind_host=config.bind_host,
-        advertise_host=config.advertise_host,
+        bind_host=listen.bind,
+        advertise_host=listen.advertise,
+        host=config.host,
         store_backend=config.store.backend,
         grpc_port=config.grpc_port,
         grpc_workers=config.grpc_workers,
@@ -506,6 +514,7 @@ def make_relay_service(config: RelayConfig, coordinator: Coordinator | None = No
         metrics_port=config.metrics.port,
         metrics_host=config.metrics.host,
         tls_server=TlsFiles.server_from_dir(config.auth.dir) if config.auth.dir else None,
-        tls_client=TlsFiles.client_from_dir(config.auth.dir) if config.auth.dir else None,
+        tls_client=TlsFiles.client_from_dir(config.auth.dir, "relay") if config.auth.dir else None,
         mutual_tls=config.auth.mutual_tls,
+        curve=config.auth.curve(),
     )

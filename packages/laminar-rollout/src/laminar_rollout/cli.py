@@ -128,9 +128,10 @@ def make_worker_service(config):
     coordinator = make_coordinator(config.etcd, config.job)
     tls = TlsFiles.client_from_dir(config.auth.dir) if config.auth.dir else None
     if config.relay is not None:
-        client = RelayClient(address=config.relay, client_id=config.worker_id, tls=tls)
+        client = RelayClient(address=config.relay, client_id=config.worker_id, tls=tls,
+                             host=config.host)
     else:
-        client = RelayClient(coordinator, client_id=config.worker_id, tls=tls)
+        client = RelayClient(coordinator, client_id=config.worker_id, tls=tls, host=config.host)
     fetcher = make_relay_fetcher(client, with_tensors=eng.type != "simulated",
                                  wait_s=config.fetch_timeout_s)
     return WorkerService(config, engine, make_tokenizer(eng), fetcher, coordinator=coordinator)

@@ -16,7 +16,9 @@ from pydantic import Field, field_validator
 from laminar_common.config import (
     AuthConfig,
     EtcdConfig,
+    HostConfig,
     LaminarModel,
+    ListenConfig,
     LoggingConfig,
     MetricsConfig,
     check_model_dir,
@@ -157,7 +159,7 @@ class SamplingConfig(LaminarModel):
     """0 turns top-k off."""
 
 
-class WorkerConfig(LaminarModel):
+class WorkerConfig(HostConfig):
     """Config of ``laminar-rollout serve`` (one generation worker)."""
 
     job: str = "laminar"
@@ -211,7 +213,7 @@ class RepackConfig(LaminarModel):
     """Do nothing unless at least this many workers would be emptied."""
 
 
-class ManagerConfig(LaminarModel):
+class ManagerConfig(ListenConfig):
     """Config of ``laminar-rollout manage`` (prompt pool, dispatch, accounting)."""
 
     job: str = "laminar"
@@ -245,10 +247,15 @@ class ManagerConfig(LaminarModel):
     """Stop dispatching after this many prompts (default: the whole file, once)."""
     epochs: int = Field(default=1, ge=1)
     """Passes over the prompt file."""
-    listen: str = "tcp://127.0.0.1:0"
-    """ZeroMQ endpoint workers connect to."""
-    ack_listen: str = "tcp://127.0.0.1:0"
-    """ZeroMQ endpoint the trainer sends acks to."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """TCP port workers connect to, on ``bind_host`` (0: any free port; advertised in etcd)."""
+    ack_port: int = Field(default=0, ge=0, le=65535)
+    """TCP port the trainer sends acks to (0: any free port; advertised in etcd)."""
+    listen: str | None = None
+    """A whole ZeroMQ endpoint to bind for workers instead of ``bind_host``:``port``
+    (e.g. ``inproc://`` in tests); advertised as bound."""
+    ack_listen: str | None = None
+    """The same for the ack socket."""
     state_dir: str | None = None
     """Where the cursor and ledger are saved every 2 s (``manage --resume`` restores them)."""
     worker_timeout_s: float = Field(default=10.0, gt=0)

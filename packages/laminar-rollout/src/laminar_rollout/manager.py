@@ -187,10 +187,14 @@ class ManagerService(Service):
 
     def _start(self) -> None:
         curve = self.config.auth.curve()
-        self.server = make_server(self.config.listen, member_id=self.config.manager_id, auth=curve)
-        self.acks = make_pull_receiver(self.config.ack_listen,
+        where = self.config.addresses()
+        self.server = make_server(self.config.listen or where.tcp(self.config.port),
+                                  member_id=self.config.manager_id, auth=curve)
+        self.acks = make_pull_receiver(self.config.ack_listen or where.tcp(self.config.ack_port),
                                        expect=(codec.Ack, TrajectoryRejected, GroupsFiltered),
                                        auth=curve)
+        address, ack_address = (where.advertised(self.server.endpoint),
+                                where.advertised(self.acks.endpoint))
         if self.coordinator is None:
             self.coordinator = make_coordinator(self.config.etcd, self.config.job)
         self.status = StatusWriter(self.coordinator, "manager status")
@@ -199,19 +203,19 @@ class ManagerService(Service):
         latest = self.coordinator.latest_version()
         if latest is not None:
             self.latest = latest.version
-        extra = {Extra.ACK: self.acks.endpoint, Extra.MODE: self.config.mode, Extra.READY: "1"}
+        extra = {Extra.ACK: ack_address, Extra.MODE: self.config.mode, Extra.READY: "1"}
         if self.config.metrics.port is not None:
             self.metrics = MetricsServer(Role.MANAGER, self.config.job, self.config.manager_id,
                                          self._metrics)
             extra[Extra.METRICS] = self.metrics.start(self.config.metrics.host,
                                                   self.config.metrics.port)
         self.coordinator.register(MemberRecord(
-            member_id=self.config.manager_id, role=Role.MANAGER, address=self.server.endpoint,
-            package_version=__version__, extra=extra,
+            member_id=self.config.manager_id, role=Role.MANAGER, address=address,
+            host_id=self.config.host, package_version=__version__, extra=extra,
         ))
         log.info("manager %s: %d prompts x %d samples, mode %s, workers at %s, acks at %s",
                  self.config.manager_id, len(self.records), self.config.group_size,
-                 self.config.mode, self.server.endpoint, self.acks.endpoint)
+                 self.config.mode, address, ack_address)
         self.spawn(self._loop, "loop")
 
     def _close(self) -> None:

@@ -150,7 +150,8 @@ class WorkerService(Service):
             extra[Extra.METRICS] = self.metrics.start(self.config.metrics.host,
                                                   self.config.metrics.port)
         record = MemberRecord(
-            member_id=self.worker_id, role=Role.WORKER, package_version=__version__,
+            member_id=self.worker_id, role=Role.WORKER, host_id=self.config.host,
+            package_version=__version__,
             capacity=self.engine.load().max_batch, extra=extra,
         )
         self.coordinator.register(record)

@@ -12,6 +12,7 @@ from laminar_common.config import (
     AuthConfig,
     EtcdConfig,
     LaminarModel,
+    ListenConfig,
     LoggingConfig,
     MetricsConfig,
     check_model_dir,
@@ -232,7 +233,7 @@ class TrackingConfig(LaminarModel):
     """Weights & Biases (on when wandb.project is set and mode is not disabled)."""
 
 
-class TrainerConfig(LaminarModel):
+class TrainerConfig(ListenConfig):
     """Config of ``laminar-trainer run``."""
 
     job: str = "laminar"
@@ -244,8 +245,12 @@ class TrainerConfig(LaminarModel):
     Checked when the config loads: the directory must exist and hold a config.json."""
     simulate: SimulateConfig | None = None
     """Simulated training step instead of a model (benchmarks only)."""
-    listen: str = "tcp://127.0.0.1:0"
-    """ZeroMQ endpoint workers push trajectories to."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """TCP port workers push trajectories to, on ``bind_host`` (0: any free port;
+    advertised in etcd)."""
+    listen: str | None = None
+    """A whole ZeroMQ endpoint to bind instead of ``bind_host``:``port`` (e.g.
+    ``inproc://`` in tests); advertised as bound."""
     batch_groups: int = Field(default=8, ge=1)
     """Complete GRPO groups consumed per step."""
     total_steps: int = Field(default=20, ge=1)

@@ -196,8 +196,9 @@ class TrainerService(Service):
             from laminar_common.auth import TlsFiles
             from laminar_common.relay.client import RelayClient
 
-            tls = TlsFiles.client_from_dir(cfg.auth.dir) if cfg.auth.dir else None
-            client = RelayClient(self.coordinator, client_id=cfg.trainer_id, tls=tls)
+            tls = TlsFiles.client_from_dir(cfg.auth.dir, "publisher") if cfg.auth.dir else None
+            client = RelayClient(self.coordinator, client_id=cfg.trainer_id, tls=tls,
+                                 curve=self._curve, host=cfg.host)
             find_master = client.master
             self.publish_fn = lambda version, tensors, step: client.publish(
                 version, tensors, trainer_step=step)
@@ -215,16 +216,18 @@ class TrainerService(Service):
         self._publish(initial=True)
         if self.stopping.is_set():
             return  # a signal while waiting for a relay master: run_forever closes at once
-        self.receiver = make_pull_receiver(cfg.listen, expect=Trajectory, auth=self._curve)
+        where = cfg.addresses()
+        self.receiver = make_pull_receiver(cfg.listen or where.tcp(cfg.port), expect=Trajectory,
+                                           auth=self._curve)
+        address = where.advertised(self.receiver.endpoint)  # what workers are told
         extra = {Extra.STEP: str(self.step), Extra.VERSION: str(self.version), Extra.READY: "1"}
         if cfg.metrics.port is not None:
             self.metrics = MetricsServer(Role.TRAINER, cfg.job, cfg.trainer_id, self._metrics)
             extra[Extra.METRICS] = self.metrics.start(cfg.metrics.host, cfg.metrics.port)
         self.coordinator.watch_members(self._on_manager, role=Role.MANAGER)
         self.coordinator.register(MemberRecord(
-            member_id=cfg.trainer_id, role=Role.TRAINER, address=self.receiver.endpoint,
-            package_version=__version__, extra=extra))
-        log.info("trainer %s ready at %s: step %d, v%d", cfg.trainer_id, self.receiver.endpoint,
+            member_id=cfg.trainer_id, role=Role.TRAINER, address=address, host_id=cfg.host, package_version=__version__, extra=extra))
+        log.info("trainer %s ready at %s: step %d, v%d", cfg.trainer_id, address,
                  self.step, self.version)
         self.spawn(self._receive_loop, "receive")
         self.spawn(self._train_loop, "train")

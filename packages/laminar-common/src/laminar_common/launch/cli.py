@@ -220,13 +220,24 @@ def prompts(task: str, n: int, split: str, seed: int, out: str,
 @_option("--etcd-host", multiple=True, metavar="HOST",
               help="a DNS name or IP the etcd server certificate must name, besides "
                    "127.0.0.1 and localhost (repeatable; implies --etcd)")
-def keys(out: str, etcd: bool, etcd_host: tuple[str, ...]) -> int:
-    from laminar_common.auth import create_keys
+@_option("--host", "hosts", multiple=True, metavar="HOST",
+              help="a DNS name or IP a relay advertises: the relays' certificate names it "
+                   "besides 127.0.0.1 and localhost (repeatable; every relay host of a cluster)")
+@_option("--split", is_flag=True,
+              help="also write OUT/trainer, OUT/relay and OUT/rollout, each holding only what "
+                   "that tier needs (only OUT/trainer holds the publisher certificate)")
+def keys(out: str, etcd: bool, etcd_host: tuple[str, ...], hosts: tuple[str, ...],
+         split: bool) -> int:
+    from laminar_common.auth import create_keys, split_keys
 
     with_etcd = etcd or bool(etcd_host)
-    written = create_keys(out, etcd_hosts=list(etcd_host) if with_etcd else None)
+    written = create_keys(out, etcd_hosts=list(etcd_host) if with_etcd else None,
+                          hosts=list(hosts))
     print(f"wrote CURVE keys and TLS certificates to {written}; set auth.dir={written} "
           "in every tier's config")
+    if split:
+        for tier, d in split_keys(written, written).items():
+            print(f"  {tier}: auth.dir={d}")
     if with_etcd:
         print(f"etcd: run it with --cert-file {written}/etcd-server.pem --key-file "
               f"{written}/etcd-server-key.pem --trusted-ca-file {written}/etcd-ca.pem "

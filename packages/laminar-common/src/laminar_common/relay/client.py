@@ -50,7 +50,7 @@ from typing import Any
 
 import grpc
 
-from laminar_common.auth import TlsFiles, grpc_channel
+from laminar_common.auth import CurveAuth, TlsFiles, grpc_channel
 from laminar_common.codec import WeightManifest
 from laminar_common.errors import (
     CoordinationError,
@@ -60,6 +60,7 @@ from laminar_common.errors import (
     TransportError,
 )
 from laminar_common.membership import Coordinator, VersionRecord
+from laminar_common.net import host_identity
 from laminar_common.relay.manifests import (
     DEFAULT_ALIGNMENT,
     DEFAULT_CHUNK_BYTES,
@@ -103,6 +104,7 @@ class RelayRef:
     member_id: str
     address: str
     host: str = ""
+    """Its host id (equal to the client's: same host, shared memory may be mapped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +214,8 @@ class RelayClient:
         address: instead of a coordinator, one relay's gRPC ``host:port``
             (used as master and as the only read source).
         client_id: names this client in relay logs and reader leases.
-        host: this machine's host name, to recognise same-host relays.
+        host: this machine's host id (:func:`~laminar_common.net.host_identity`), to
+            recognise same-host relays (default: this machine's).
         chunk_bytes: chunk size of published versions.
         rpc_timeout_s: deadline of each short control call.
         publish_timeout_s: total time a publish may take, retries included.
@@ -223,6 +226,7 @@ class RelayClient:
             attempt (how long a publish notices a master that died mid-send).
         use_shared_memory: map a same-host relay's memory instead of streaming.
         tls: CA (and client certificate for mutual TLS) to reach relays over TLS.
+        curve: CURVE keys for the weight data plane (a publisher pushes chunks over it).
     """
 
     def __init__(
@@ -243,6 +247,7 @@ class RelayClient:
         send_timeout_s: float = 10.0,
         use_shared_memory: bool = True,
         tls: TlsFiles | None = None,
+        curve: CurveAuth | None = None,
     ) -> None:
         if (coordinator is None) == (address is None):
             raise ValueError("give exactly one of coordinator or address")
@@ -250,7 +255,7 @@ class RelayClient:
         self._coord = coordinator
         self._address = address
         self.client_id = client_id or f"client-{socket.gethostname()}-{os.getpid()}"
-        self.host = host or socket.gethostname()
+        self.host = host or host_identity()
         self.chunk_bytes = chunk_bytes
         self.alignment = alignment
         self.rpc_timeout_s = rpc_timeout_s
@@ -265,7 +270,7 @@ class RelayClient:
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
-        self._senders = ChunkSenders(hwm=send_hwm, send_timeout_s=send_timeout_s)
+        self._senders = ChunkSenders(hwm=send_hwm, send_timeout_s=send_timeout_s, auth=curve)
         self._suspect: tuple[str, float] | None = None
         self._closed = threading.Event()
         self._hash_pool: ThreadPoolExecutor | None = None
@@ -315,7 +320,7 @@ class RelayClient:
             assert self._address is not None
             return {self._address: RelayRef(self._address, self._address)}
         return {
-            mid: RelayRef(mid, rec.address, rec.host)
+            mid: RelayRef(mid, rec.address, rec.host_id)
             for mid, rec in self._coord.members(RELAY_ROLE).items()
         }
 
@@ -339,7 +344,7 @@ class RelayClient:
                 if leader is not None and not self._is_suspect(leader):
                     rec = self._coord.members(RELAY_ROLE).get(leader)
                     if rec is not None:
-                        return RelayRef(rec.member_id, rec.address, rec.host)
+                        return RelayRef(rec.member_id, rec.address, rec.host_id)
                     problem = f"master {leader!r} has no live member record"
                 elif leader is not None:
                     problem = f"master {leader!r} just failed and no other relay took over yet"

@@ -23,6 +23,9 @@ Invariants:
 - Payloads are sent zero-copy: the caller must not modify a payload buffer
   until the receiver has confirmed the session (the relay's commit does).
 - Sockets belong to one thread each; a receiver runs its own thread.
+- With CURVE keys (``auth.dir``), a receiver is a CURVE server admitting only
+  authorized client keys and a sender a CURVE client: an unauthenticated peer
+  never completes the handshake, so none of its bytes reach the handler.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 
 import zmq
 
+from laminar_common.auth import CurveAuth
 from laminar_common.codec import PROTOCOL_VERSION
 from laminar_common.errors import ProtocolError, TransportError
 
@@ -143,11 +147,14 @@ class ZmqChunkSender(ChunkSender):
         hwm: int = 8,
         send_timeout_s: float = 30.0,
         context: zmq.Context | None = None,
+        auth: CurveAuth | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.send_timeout_s = send_timeout_s
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.DEALER)
+        if auth is not None:
+            auth.apply_client(self._sock)
         self._sock.setsockopt(zmq.SNDHWM, max(1, hwm))
         self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -199,6 +206,7 @@ class ZmqChunkReceiver(ChunkReceiver):
         hwm: int = 8,
         context: zmq.Context | None = None,
         name: str = "data-plane",
+        auth: CurveAuth | None = None,
     ) -> None:
         self.stats = DataPlaneStats()
         self._handler = handler
@@ -206,11 +214,16 @@ class ZmqChunkReceiver(ChunkReceiver):
         self._name = name
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.ROUTER)
+        if auth is not None:
+            auth.apply_server(self._sock)  # only authorized CURVE clients get through
         self._sock.setsockopt(zmq.RCVHWM, max(1, hwm))
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_chunk_bytes + CHUNK_HEADER.size)
         self._sock.setsockopt(zmq.LINGER, 0)
+        host = f"[{bind_host}]" if ":" in bind_host else bind_host
+        if ":" in bind_host:
+            self._sock.setsockopt(zmq.IPV6, 1)
         try:
-            self._sock.bind(f"tcp://{bind_host}:{port if port else '*'}")
+            self._sock.bind(f"tcp://{host}:{port if port else '*'}")
         except zmq.ZMQError as exc:
             self._sock.close(0)
             raise TransportError(
@@ -218,7 +231,8 @@ class ZmqChunkReceiver(ChunkReceiver):
             ) from exc
         bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(bound.rsplit(":", 1)[1])
-        self.endpoint = f"tcp://{advertise_host or bind_host}:{self.port}"
+        advertised = advertise_host or bind_host
+        self.endpoint = f"tcp://{f'[{advertised}]' if ':' in advertised else advertised}:{self.port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -271,12 +285,13 @@ class ZmqChunkReceiver(ChunkReceiver):
         self._sock.close(0)
 
 
-def make_chunk_sender(endpoint: str, hwm: int = 8, send_timeout_s: float = 30.0) -> ChunkSender:
+def make_chunk_sender(endpoint: str, hwm: int = 8, send_timeout_s: float = 30.0,
+                      auth: CurveAuth | None = None) -> ChunkSender:
     """A sender for ``endpoint``, chosen by its scheme (``tcp://`` -> ZeroMQ).
 
     Raises:
         TransportError: an endpoint scheme no data plane here speaks.
     """
     if endpoint.startswith("tcp://"):
-        return ZmqChunkSender(endpoint, hwm=hwm, send_timeout_s=send_timeout_s)
+        return ZmqChunkSender(endpoint, hwm=hwm, send_timeout_s=send_timeout_s, auth=auth)
     raise TransportError(f"no data plane for endpoint {endpoint!r} (this build speaks tcp://)")

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from laminar_common.auth import CurveAuth
 from laminar_common.codec import ChunkSpec, WeightManifest
 from laminar_common.errors import LaminarError, ProtocolError, TransportError
 from laminar_common.relay.dataplane import ChunkSender, make_chunk_sender
@@ -67,15 +68,18 @@ class ChunkSenders:
     publish lock, the forwarder's thread).
     """
 
-    def __init__(self, hwm: int = 8, send_timeout_s: float = 10.0) -> None:
+    def __init__(self, hwm: int = 8, send_timeout_s: float = 10.0,
+                 auth: CurveAuth | None = None) -> None:
         self.hwm = hwm
         self.send_timeout_s = send_timeout_s
+        self.auth = auth
         self._senders: dict[str, ChunkSender] = {}
 
     def get(self, endpoint: str) -> ChunkSender:
         sender = self._senders.get(endpoint)
         if sender is None:
-            sender = make_chunk_sender(endpoint, hwm=self.hwm, send_timeout_s=self.send_timeout_s)
+            sender = make_chunk_sender(endpoint, hwm=self.hwm, send_timeout_s=self.send_timeout_s,
+                                       auth=self.auth)
             self._senders[endpoint] = sender
         return sender
 

@@ -55,6 +55,7 @@ __all__ = [
     "OversizedError",
     "ProtocolMismatchError",
     "CommitTimeoutError",
+    "PermissionDeniedError",
     "status_of",
     "error_from_rpc",
     "manifest_to_proto",
@@ -111,6 +112,10 @@ class ProtocolMismatchError(ProtocolError):
     """The peer speaks another ``PROTOCOL_VERSION``."""
 
 
+class PermissionDeniedError(LaminarError):
+    """The caller's certificate does not allow this call (e.g. a reader trying to publish)."""
+
+
 class CommitTimeoutError(TransportError):
     """Not every chunk of a publish arrived before the commit deadline."""
 
@@ -125,6 +130,7 @@ _STATUS: tuple[tuple[type[LaminarError], grpc.StatusCode], ...] = (
     (StoreFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (VersionNotFoundError, grpc.StatusCode.NOT_FOUND),
     (CommitTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (EtcdUnavailableError, grpc.StatusCode.UNAVAILABLE),
@@ -143,6 +149,7 @@ _BY_CODE: dict[grpc.StatusCode, type[LaminarError]] = {
     grpc.StatusCode.NOT_FOUND: VersionNotFoundError,
     grpc.StatusCode.INVALID_ARGUMENT: ProtocolError,
     grpc.StatusCode.ABORTED: CoordinationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 
