@@ -244,13 +244,12 @@ class ListenConfig(HostConfig):
 
     @model_validator(mode="after")
     def _no_loopback_advertisement(self) -> ListenConfig:
+        from laminar_common.net import is_wildcard, resolve_listen
+
         etcd = getattr(self, "etcd", None)
         explicit = self.advertise_host or (
-            None if self.bind_host is None or self.bind_host in ("0.0.0.0", "::", "*")
-            else self.bind_host)
+            None if self.bind_host is None or is_wildcard(self.bind_host) else self.bind_host)
         if etcd is not None and explicit is not None:
-            from laminar_common.net import resolve_listen
-
             try:
                 resolve_listen(self.bind_host, self.advertise_host, etcd.endpoints)
             except ConfigError as exc:

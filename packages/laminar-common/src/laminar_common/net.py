@@ -36,7 +36,7 @@ from pathlib import Path
 from laminar_common.errors import ConfigError
 
 __all__ = ["Listen", "resolve_listen", "host_identity", "is_loopback", "is_wildcard",
-           "endpoint_host", "route_address", "spans_hosts"]
+           "bracket_host", "endpoint_host", "route_address"]
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +53,18 @@ class Listen:
 
     def tcp(self, port: int = 0) -> str:
         """The ZeroMQ bind endpoint for ``port`` (0: any free one)."""
-        return f"tcp://{_bracket(self.bind)}:{port if port else '*'}"
+        return f"tcp://{bracket_host(self.bind)}:{port if port else '*'}"
 
     def advertised(self, bound_endpoint: str) -> str:
         """``tcp://<advertise>:<port>`` for an endpoint ZeroMQ reports as bound."""
         if not bound_endpoint.startswith("tcp://"):
             return bound_endpoint  # inproc:// and other non-network schemes stand as bound
         port = bound_endpoint.rsplit(":", 1)[1]
-        return f"tcp://{_bracket(self.advertise)}:{port}"
+        return f"tcp://{bracket_host(self.advertise)}:{port}"
 
 
-def _bracket(host: str) -> str:
+def bracket_host(host: str) -> str:
+    """``host`` as it goes before ``:port`` in an endpoint (an IPv6 address in brackets)."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
@@ -112,8 +113,8 @@ def route_address(host: str) -> str:
 
 
 def resolve_listen(bind_host: str | None, advertise_host: str | None,
-                   etcd_endpoints: Sequence[str], field_prefix: str = "") -> Listen:
-    """Apply the module's rules; ``field_prefix`` names the config fields in errors.
+                   etcd_endpoints: Sequence[str]) -> Listen:
+    """Apply the module's rules.
 
     Raises:
         ConfigError: a loopback advertisement while etcd is remote, or no
@@ -129,22 +130,15 @@ def resolve_listen(bind_host: str | None, advertise_host: str | None,
     bind = advertise if bind_host is None else bind_host
     remote = [h for h in etcd_hosts if not is_loopback(h)]
     if remote and is_loopback(advertise):
-        source = (f"{field_prefix}advertise_host" if advertise_host is not None
-                  else f"{field_prefix}bind_host")
+        source = "advertise_host" if advertise_host is not None else "bind_host"
         raise ConfigError(
             f"{source}: {advertise!r} is a loopback address but etcd is at {remote[0]!r}: "
-            f"members on other hosts would be told an address that reaches themselves; set "
-            f"{field_prefix}advertise_host to an address they can reach (or bind_host to a "
-            "wildcard to have it detected)")
+            "members on other hosts would be told an address that reaches themselves; set "
+            "advertise_host to an address they can reach (or bind_host to a wildcard to have "
+            "it detected)")
     return Listen(bind=bind, advertise=advertise)
 
 
-def spans_hosts(addresses: Sequence[str]) -> bool:
-    """Whether any of these bind/advertise/etcd hosts lets another machine in."""
-    return any(a and (is_wildcard(a) or not is_loopback(a)) for a in addresses)
-
-
-@functools.cache
 def _machine_id() -> str | None:
     for name in MACHINE_ID_FILES:
         try:
@@ -158,8 +152,12 @@ def _machine_id() -> str | None:
 
 def host_identity(configured: str | None = None) -> str:
     """This process's host id: ``configured``, else the machine id, else the host name."""
-    if configured:
-        return configured
+    return configured or _default_host_id()
+
+
+@functools.cache
+def _default_host_id() -> str:
+    """Computed (and the fallback warned about) once per process."""
     mid = _machine_id()
     if mid is not None:
         return f"machine-{mid[:16]}"

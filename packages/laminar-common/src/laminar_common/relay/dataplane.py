@@ -44,6 +44,7 @@ import zmq
 from laminar_common.auth import CurveAuth
 from laminar_common.codec import PROTOCOL_VERSION
 from laminar_common.errors import ProtocolError, TransportError
+from laminar_common.net import bracket_host
 
 __all__ = [
     "CHUNK_HEADER",
@@ -219,11 +220,10 @@ class ZmqChunkReceiver(ChunkReceiver):
         self._sock.setsockopt(zmq.RCVHWM, max(1, hwm))
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_chunk_bytes + CHUNK_HEADER.size)
         self._sock.setsockopt(zmq.LINGER, 0)
-        host = f"[{bind_host}]" if ":" in bind_host else bind_host
         if ":" in bind_host:
             self._sock.setsockopt(zmq.IPV6, 1)
         try:
-            self._sock.bind(f"tcp://{host}:{port if port else '*'}")
+            self._sock.bind(f"tcp://{bracket_host(bind_host)}:{port if port else '*'}")
         except zmq.ZMQError as exc:
             self._sock.close(0)
             raise TransportError(
@@ -231,8 +231,7 @@ class ZmqChunkReceiver(ChunkReceiver):
             ) from exc
         bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(bound.rsplit(":", 1)[1])
-        advertised = advertise_host or bind_host
-        self.endpoint = f"tcp://{f'[{advertised}]' if ':' in advertised else advertised}:{self.port}"
+        self.endpoint = f"tcp://{bracket_host(advertise_host or bind_host)}:{self.port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
