@@ -51,6 +51,8 @@ __all__ = ["RelayServicer"]
 
 log = logging.getLogger(__name__)
 _LOG_FIRST = 50
+MAX_READER_LABELS = 1024
+"""Distinct reader ids counted by name in ``fetches`` (bounds the metric's label set)."""
 
 
 def _check_protocol(context: grpc.ServicerContext) -> None:
@@ -138,6 +140,9 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         self.reader_lease_s = reader_lease_s
         self.max_fetch_wait_s = max_fetch_wait_s
         self.rejected: collections.Counter[str] = collections.Counter()
+        self.fetches: collections.Counter[str] = collections.Counter()
+        """Versions leased to readers, by reader id (at most :data:`MAX_READER_LABELS`
+        ids; later ones count under ``other``): which rollouts read from this relay."""
         self._waiters = threading.BoundedSemaphore(max(1, max_waiting_fetches))
         self.waiting_fetches = 0
 
@@ -253,6 +258,10 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 self._waiters.release()
         else:
             lease, stored = self.store.lease(version, holder, self.reader_lease_s, 0.0)
+        reader = request.reader_id or "anonymous"
+        if reader not in self.fetches and len(self.fetches) >= MAX_READER_LABELS:
+            reader = "other"
+        self.fetches[reader] += 1
         return relay_pb2.FetchReply(
             manifest=manifest_to_proto(stored.manifest),
             lease=lease,

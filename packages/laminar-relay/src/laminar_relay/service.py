@@ -428,6 +428,10 @@ class RelayService(Service):
                    h.forwarded_version),
             Metric("rejected_total", "counter", "refused requests and frames", labels=("reason",),
                    values={(k,): v for k, v in h.rejected.items()}),
+            Metric("fetches_total", "counter", "versions leased to readers, by reader id",
+                   labels=("reader",),
+                   values={(k,): v for k, v in
+                           dict(self.servicer.fetches if self.servicer else {}).items()}),
         ]
 
     def health(self) -> relay_pb2.HealthReply:

@@ -25,6 +25,10 @@ class EtcdSpec(LaminarModel):
     """Start a local etcd in <run_dir>/etcd for the job's lifetime."""
     endpoints: tuple[str, ...] = ()
     """Use an existing etcd (host:port) instead."""
+    host: str | None = None
+    """The one address the embedded etcd listens on. Default: 127.0.0.1; with the Ray
+    backend on a cluster of more than one node, the head node's address (the one Ray
+    knows it by), so the other nodes reach it."""
     ttl_s: int = Field(default=5, ge=2)
     """Lease TTL given to every tier."""
 

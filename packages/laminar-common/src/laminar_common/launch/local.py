@@ -69,6 +69,7 @@ import yaml
 from laminar_common.auth import ETCD_CA, ETCD_TLS_FIELDS, etcd_tls_for
 from laminar_common.errors import ConfigError, LaminarError
 from laminar_common.launch import preflight
+from laminar_common.launch.hosts import check_auth, is_laminar_tier, spanning_reasons
 from laminar_common.launch.jobfile import JobFile, TierSpec, fill_placeholders
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.launch.processes import ChildProcess, tier_env
@@ -119,13 +120,46 @@ class LocalLauncher:
             data_dir = self.run_dir / "etcd"
             data_dir.mkdir(parents=True, exist_ok=True)
             self.etcd = LocalEtcd(data_dir=str(data_dir), tls_dir=tls_dir,
-                                  client_cert_auth=mutual).start()
+                                  client_cert_auth=mutual, host=self.etcd_host()).start()
             self.endpoints = [self.etcd.endpoint]
             how = "" if tls_dir is None else \
                 f" ({'mutual ' if mutual else ''}TLS with {tls_dir}/etcd-*.pem)"
             self._say(f"etcd at {self.etcd.endpoint}{how}")
         if not self.endpoints:
             raise ConfigError("etcd: set embedded: true or give endpoints")
+
+    def etcd_host(self) -> str:
+        """The address an embedded etcd listens on (``etcd.host``; 127.0.0.1 by default)."""
+        return self.job.etcd.host or "127.0.0.1"
+
+    def nodes(self) -> int:
+        """Machines this launcher places tier replicas on (the local backend: this one)."""
+        return 1
+
+    def check_hosts(self) -> None:
+        """Refuse a job that spans hosts without authentication (:mod:`.hosts`).
+
+        Raises:
+            ConfigError: it spans hosts and a Laminar tier sets neither ``auth.dir``
+                nor ``auth.insecure: true``.
+        """
+        configs = {}
+        for tier, spec in self.job.tiers.items():
+            for i in range(self.replica_count(spec) if is_laminar_tier(spec.command) else 0):
+                name, _, config = self._replica(tier, spec, i)
+                configs[name] = config
+        endpoints = self.job.etcd.endpoints or \
+            ([f"{self.etcd_host()}:2379"] if self.job.etcd.embedded else [])
+        reasons = spanning_reasons(configs, endpoints, self.nodes())
+        insecure = check_auth(configs, reasons)
+        if insecure:
+            self._say(f"WARNING: this job spans hosts ({'; '.join(reasons)}) and "
+                      f"{', '.join(insecure)} run WITHOUT AUTHENTICATION (auth.insecure: true): "
+                      "anyone who reaches their sockets can push trajectories or publish "
+                      "weights")
+        elif reasons:
+            self._say(f"this job spans hosts ({'; '.join(reasons)}): authentication on in "
+                      "every Laminar tier")
 
     def embedded_etcd_tls(self) -> tuple[Path | None, bool]:
         """How the embedded etcd serves, decided by the tiers' ``auth.dir``.
@@ -289,6 +323,7 @@ class LocalLauncher:
     def prepare(self, check: bool = True) -> None:
         """Everything before the tiers: lock, config checks, launch stamp, set-up, etcd."""
         self.launch.lock()
+        self.check_hosts()
         deferred = self.check_configs() if check else []
         self.launch.begin(self.job.job, self.job_file,
                           self.job.etcd.embedded and not self.job.etcd.endpoints)

