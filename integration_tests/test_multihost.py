@@ -21,14 +21,23 @@ up in the relays' fetch counters. etcd (embedded) listens on host A only.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import metric_value, scrape_metrics
 from laminar_common.etcd import EtcdCoordinator
+from laminar_common.launch.local_etcd import free_port
 from laminar_common.launch.processes import ChildProcess
+from laminar_common.launch.readiness import wait_ready
 from laminar_common.roles import Extra
 
 HOSTS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
@@ -141,3 +150,213 @@ def test_a_job_spanning_hosts_without_auth_is_refused(tmp_path):
         up.wait_for_line(r"WARNING: this job spans hosts .* run WITHOUT AUTHENTICATION", 60)
     finally:
         up.stop(grace_s=30)
+
+
+# -- a real multi-node Ray cluster on this machine ------------------------------------------
+#
+# A head node at host A's address and two worker nodes at B and C (``ray start`` with
+# --node-ip-address, each its own raylet). ``laminar up --backend ray --address`` runs the
+# job on it: etcd embedded on the head's address, manager and trainer on the head (custom
+# resource ``head``), one relay on every node that runs workers (``replicas: -1`` with the
+# ``rollout`` resource) and two workers spread over B and C. No tier address or host id is
+# configured: each actor tells its tier the node it runs on.
+
+RAY_NODES = {"a": '{"head": 1}', "b": '{"rollout": 2}', "c": '{"rollout": 2}'}
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s children, grandchildren, ... (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(proc.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(child: ChildProcess) -> list[int]:
+    """SIGKILL ``child`` and every process under it (a node lost: raylet, actors, tiers)."""
+    victims = [child.pid, *_descendants(child.pid)]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return victims
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    pytest.importorskip("ray")
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    temp = tempfile.mkdtemp(prefix="lr", dir="/tmp")  # short: Ray's socket paths must fit
+    port = free_port(HOSTS["a"])
+    nodes: dict[str, ChildProcess] = {}
+    common = ["--num-cpus", "1", "--object-store-memory", str(100 << 20),
+              "--disable-usage-stats", "--block"]
+    try:
+        for h, resources in RAY_NODES.items():
+            where = ["--head", "--port", str(port), "--temp-dir", temp,
+                     "--include-dashboard", "false"] if h == "a" else \
+                ["--address", f"{HOSTS['a']}:{port}"]
+            nodes[h] = ChildProcess(f"ray-{h}", [ray_bin, "start", *where, "--node-ip-address",
+                                                 HOSTS[h], "--resources", resources, *common],
+                                    f"{temp}/ray-{h}.log")
+            nodes[h].wait_for_line(r"Ray runtime started", 120)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import ray, time\n"
+             f"ray.init(address='{HOSTS['a']}:{port}', log_to_driver=False)\n"
+             "for _ in range(200):\n"
+             "    ips = sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])\n"
+             "    if len(ips) == 3: break\n"
+             "    time.sleep(0.3)\n"
+             "print(' '.join(ips))"], capture_output=True, text=True, timeout=120)
+        assert probe.stdout.split() == sorted(HOSTS.values()), probe.stdout + probe.stderr
+        yield f"{HOSTS['a']}:{port}", nodes
+    finally:
+        for child in reversed(list(nodes.values())):
+            tree = _descendants(child.pid)
+            child.stop(grace_s=30)
+            for pid in tree:  # whatever `ray start` left behind, by pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _ray_job(run_dir: Path, steps: int) -> dict:
+    keys = "{run_dir}/keys"
+    auth = {t: {"dir": f"{keys}/{t}"} for t in ("relay", "rollout", "trainer")}
+    return {
+        "job": "raynodes", "run_dir": str(run_dir), "etcd": {"embedded": True, "ttl_s": 3},
+        "setup": [["laminar", "prompts", "--task", "sort", "--n", "2000", "--split", "train",
+                   "--out", "{run_dir}/train.jsonl"],
+                  ["laminar", "keys", "--split", "--out", keys,
+                   *[a for ip in HOSTS.values() for a in ("--host", ip)]]],
+        "tiers": {
+            "relay": {"command": ["laminar-relay", "serve"], "replicas": -1,
+                      "id_field": "member_id", "resources": {"rollout": 0.01},
+                      "config": {"metrics": {"port": 0}, "store": {"max_bytes": 64 << 20},
+                                 "auth": auth["relay"]}},
+            "manager": {"command": ["laminar-rollout", "manage"], "ready": "manager",
+                        "resources": {"head": 0.1},
+                        "config": {"prompts": "{run_dir}/train.jsonl", "group_size": GROUP_SIZE,
+                                   "batch_groups": GROUPS, "mode": "laminar",
+                                   "sampling": {"max_tokens": 64}, "auth": auth["rollout"]}},
+            "worker": {"command": ["laminar-rollout", "serve"], "replicas": 2,
+                       "id_field": "worker_id", "resources": {"rollout": 1},
+                       "config": {"report_interval_s": 0.2, "auth": auth["rollout"],
+                                  "engine": {"type": "simulated", "max_batch": 8,
+                                             "median_length": 12, "max_length": 64,
+                                             "step_time_base": 0.004,
+                                             "step_time_per_seq": 0.0004}}},
+            "trainer": {"command": ["laminar-trainer", "run"], "resources": {"head": 0.1},
+                        "config": {"trainer_id": "trainer", "batch_groups": GROUPS,
+                                   "simulate": {"step_s": 0.3, "weight_bytes": 1 << 20},
+                                   "total_steps": steps, "run_dir": "{run_dir}/trainer",
+                                   "auth": auth["trainer"]}},
+        },
+        "wait_for": "trainer", "timeout_s": 400}
+
+
+def _up_ray(tmp_path: Path, job: dict, address: str) -> ChildProcess:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path),
+                               "--backend", "ray", "--address", address],
+                        str(tmp_path / "up.log"), cwd=str(tmp_path))
+
+
+def _consumed(run_dir: Path) -> list[str]:
+    return [i for line in (run_dir / "trainer" / "consumed.jsonl").read_text().splitlines()
+            if line.strip() for i in json.loads(line)["ids"]]
+
+
+def _placement(endpoint: str) -> dict:
+    coord = EtcdCoordinator([endpoint], "raynodes", connect_timeout_s=10)
+    try:
+        return coord.members()
+    finally:
+        coord.close()
+
+
+def _host(address: str) -> str:
+    return address.split("//")[-1].rsplit(":", 1)[0]
+
+
+def test_ray_across_three_nodes_one_relay_per_worker_node_exactly_once(tmp_path, ray_cluster):
+    address, _ = ray_cluster
+    steps = 8
+    up = _up_ray(tmp_path, _ray_job(tmp_path / "run", steps), address)
+    try:
+        up.wait_for_line(r"this job spans hosts \(it runs on 3 nodes", 120)
+        endpoint = up.wait_for_line(r"etcd at (\S+)", 120).group(1)
+        assert _host(endpoint) == HOSTS["a"], endpoint  # the head's address, not loopback
+        up.wait_for_line(r"started relay-1 as a Ray actor", 60)
+        assert not any("started relay-2" in line for line in up.lines)
+        up.wait_for_line(r"trainer: STEP 3 ", 240)
+        members = _placement(endpoint)
+        relays = {m: r for m, r in members.items() if r.role == "relay"}
+        workers = {m: r for m, r in members.items() if r.role == "worker"}
+        # One relay on each worker node, none on the head; each advertises its node.
+        assert sorted(_host(r.address) for r in relays.values()) == [HOSTS["b"], HOSTS["c"]]
+        assert _host(members["manager"].address) == _host(members["trainer"].address) == \
+            HOSTS["a"]
+        assert len({w.host_id for w in workers.values()}) == 2  # spread over B and C
+        for wid, w in workers.items():
+            for rid, r in relays.items():
+                samples = scrape_metrics(r.extra[Extra.METRICS])
+                n = metric_value({k: v for k, v in samples.items() if f'reader="{wid}"' in k},
+                                 "laminar_relay_fetches_total")
+                assert (n > 0) == (r.host_id == w.host_id), (wid, rid, n)
+        up.wait_for_line(r"trainer exited with 0", 240)
+        assert up.proc.wait(120) == 0
+    finally:
+        up.stop(grace_s=60)
+    consumed = _consumed(tmp_path / "run")
+    assert len(consumed) == len(set(consumed)) == steps * GROUPS * GROUP_SIZE
+
+
+def test_ray_job_survives_losing_a_worker_node(tmp_path, ray_cluster):
+    """Node C's raylet and everything under it (its relay, its worker) are SIGKILLed
+    mid-run: the worker comes back on node B, reads from B's relay, and the run ends
+    with every prompt trained exactly once."""
+    address, nodes = ray_cluster
+    steps = 30
+    up = _up_ray(tmp_path, _ray_job(tmp_path / "run", steps), address)
+    try:
+        endpoint = up.wait_for_line(r"etcd at (\S+)", 120).group(1)
+        up.wait_for_line(r"trainer: STEP 4 ", 240)
+        before = _placement(endpoint)
+        lost = [m for m, r in before.items() if r.role == "worker"
+                and before[next(k for k, x in before.items() if x.role == "relay"
+                                and x.host_id == r.host_id)].address.startswith(HOSTS["c"])]
+        assert len(lost) == 1, before
+        node_b = {r.host_id for r in before.values() if r.role == "relay"
+                  and _host(r.address) == HOSTS["b"]}
+        killed_at = time.time()
+        victims = _kill_tree(nodes["c"])
+        assert len(victims) > 3  # ray start, raylet, the actors, their tiers
+        up.wait_for_line(r"trainer: STEP 12 ", 240)
+        # The lost worker registered again, on node B this time.
+        coord = EtcdCoordinator([endpoint], "raynodes", connect_timeout_s=10)
+        try:
+            back = wait_ready(coord, "worker", lost[0], timeout_s=180, newer_than=killed_at)[0]
+        finally:
+            coord.close()
+        assert back.host_id in node_b, (back.host_id, node_b)
+        up.wait_for_line(r"trainer exited with 0", 300)
+        assert up.proc.wait(120) == 0
+    finally:
+        up.stop(grace_s=60)
+    consumed = _consumed(tmp_path / "run")
+    assert len(consumed) == len(set(consumed)) == steps * GROUPS * GROUP_SIZE

@@ -136,8 +136,8 @@ def demo(members: int, ttl: int) -> int:
 @_overrides("job-file")
 @_option("--backend", type=click.Choice(["local", "ray"]), default="local",
               help="local subprocesses or Ray actors")
-@_option("--ray-address", default=None,
-              help="Ray cluster address (default: start a local Ray)")
+@_option("--address", "--ray-address", "ray_address", default=None,
+              help="Ray cluster address, e.g. HEAD_IP:6379 (default: start a local Ray)")
 @_option("--num-cpus", type=int, default=None, help="CPUs of a local Ray")
 def up(job: str, overrides: tuple[str, ...], backend: str, ray_address: str | None,
        num_cpus: int | None) -> int:

@@ -10,7 +10,9 @@ Placement: a tier's ``resources`` map (``{GPU: 1}``, ``{CPU: 2}``, custom
 resources) becomes the actor's Ray resource request, so rollouts and the
 trainer land on GPU nodes. ``replicas: -1`` starts one replica on every
 alive node, pinned there (node affinity; the usual choice for relays, so
-every rollout has a local one); other relay replicas are spread (``SPREAD``).
+every rollout has a local one); other relay replicas, and the replicas of any
+tier with more than one, are spread over the nodes that fit them (``SPREAD``:
+one node lost takes as few of a tier's replicas as it can).
 A replica whose process exits with a non-zero code (or whose actor dies) is
 restarted by Ray, up to the tier's ``max_restarts`` (-1: always), with the
 tier's ``restart_args`` added (``--resume`` for a trainer or manager); this
@@ -189,7 +191,7 @@ class RayLauncher(LocalLauncher):
 
                     options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                         node_id=nodes[i], soft=False)
-                elif tier == "relay":
+                elif tier == "relay" or spec.replicas > 1:
                     options["scheduling_strategy"] = "SPREAD"
                 actor = replica_cls.options(**options).remote(
                     name, argv, config_text, str(self.run_dir / "logs"), list(spec.restart_args))
