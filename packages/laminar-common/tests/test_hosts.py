@@ -61,3 +61,5 @@ def test_node_env_names_the_node_unless_the_config_or_environment_does():
     assert node_env({"advertise_host": "h"}, {}, "n", "ip") == {"LAMINAR_HOST_ID": "ray-n"}
     assert node_env({}, {"LAMINAR_HOST_ID": "mine", "LAMINAR_BIND_HOST": "0.0.0.0"},
                     "n", "ip") == {}
+    # One node: the tiers keep to loopback (no address is advertised for them).
+    assert node_env({}, {}, "n", None) == {"LAMINAR_HOST_ID": "ray-n"}

@@ -48,3 +48,27 @@ def test_ready_names_a_role_not_an_output_line(tmp_path):
         load_job(path)
     path.write_text("job: j\nwait_for: t\ntiers:\n  t: {command: [x], ready: manager}\n")
     assert load_job(path).tiers["t"].ready == "manager"
+
+
+def test_ranks_start_a_replica_under_torchrun_and_check_its_config_once(tmp_path):
+    import sys
+
+    job = load_job(_job(tmp_path, "ranks: 4"))
+    launcher = LocalLauncher(job, echo=False)
+    _, argv = launcher.replica_argv("relay", job.tiers["relay"], 0)
+    assert argv[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "4"]
+    assert argv[6:9] == ["-m", "laminar_relay.cli", "serve"] and "--config" in argv
+    checks, _ = launcher.tier_checks()
+    assert [c.argv[:3] for c in checks] == [(sys.executable, "-m", "laminar_relay.cli")]
+    with pytest.raises(ConfigError, match=r"tiers\.relay\.ranks"):
+        load_job(_job(tmp_path, "ranks: 0"))
+
+
+def test_ranks_need_a_python_module_command(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"job: j\nrun_dir: {tmp_path / 'run'}\n"
+                    "tiers: {t: {command: [./train.sh], ranks: 2}}\nwait_for: t\n")
+    job = load_job(str(path))
+    with pytest.raises(ConfigError, match=r"tiers\.t\.ranks: 2 processes .* must be a Laminar"):
+        LocalLauncher(job, echo=False)

@@ -67,6 +67,11 @@ class TierSpec(LaminarModel):
         return None if value is None else validate_name("role", value)
     resources: dict[str, float] = {}
     """Ray backend: resources each replica needs (e.g. {GPU: 1})."""
+    ranks: int = Field(default=1, ge=1)
+    """Processes of each replica, started by torchrun (``python -m torch.distributed.run
+    --standalone --nproc-per-node RANKS``): a trainer across the GPUs of its node
+    (``ranks: 8`` with ``resources: {GPU: 8}``). Needs a Laminar tier (or ``python -m``)
+    command; the config check runs once, without torchrun."""
 
 
 class JobFile(LaminarModel):

@@ -109,6 +109,8 @@ class LocalLauncher:
                               f"({', '.join(job.tiers)})")
         if not job.etcd.embedded and not job.etcd.endpoints:
             raise ConfigError("etcd: set embedded: true or give endpoints")
+        for tier, spec in job.tiers.items():
+            _torchrun(tier, spec, _resolve(list(spec.command)))  # refuses ranks it cannot start
 
     def _say(self, text: str) -> None:
         if self.echo:
@@ -238,11 +240,16 @@ class LocalLauncher:
         subs = dict(self.subs, name=name, index=str(index))
         return name, subs, fill_placeholders(dict(spec.config), subs)
 
-    def replica_argv(self, tier: str, spec: TierSpec, index: int) -> tuple[str, list[str]]:
-        """Write a replica's config file (``<run_dir>/configs/<name>.yaml``); its name and argv.
+    def replica_argv(self, tier: str, spec: TierSpec, index: int,
+                     ranked: bool = True) -> tuple[str, list[str]]:
+        """Write a replica's config file (``<run_dir>/configs/<name>.yaml``); its name and argv
+        (under torchrun when ``spec.ranks`` > 1, unless not ``ranked``).
 
         Before etcd starts, an embedded etcd's endpoint is a placeholder
         (:data:`_UNSTARTED_ETCD`); the tiers are started with the real one.
+
+        Raises:
+            ConfigError: ``ranks`` > 1 for a command that is not ``python -m``.
         """
         name, subs, config = self._replica(tier, spec, index)
         config["job"] = self.job.job
@@ -258,7 +265,7 @@ class LocalLauncher:
         cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
         argv = _resolve(list(spec.command)) + ["--config", str(cfg_path)] + \
             fill_placeholders(list(spec.args), subs)
-        return name, argv
+        return name, _torchrun(tier, spec, argv) if ranked else argv
 
     def tier_checks(self) -> tuple[list[preflight.TierCheck], list[str]]:
         """Every replica's config check, and the tiers that have none (``check``)."""
@@ -270,7 +277,7 @@ class LocalLauncher:
                 unchecked.append(tier)
                 continue
             for i in range(self.replica_count(spec)):
-                name, argv = self.replica_argv(tier, spec, i)
+                name, argv = self.replica_argv(tier, spec, i, ranked=False)
                 config_path = argv[argv.index("--config") + 1]
                 shown = shlex.join([*spec.command, "--config", config_path,
                                     *argv[len(_resolve(list(spec.command))) + 2:], *flag])
@@ -561,6 +568,22 @@ def _etcd_tls_of(tier: str, config: dict[str, Any]) -> tuple[dict[str, str], str
     if own:
         return {}, f"sets etcd.{own[0]}, which wins over auth.dir"
     return {}, f"auth.dir {auth_dir!r} has no {ETCD_CA}"
+
+
+def _torchrun(tier: str, spec: TierSpec, argv: list[str]) -> list[str]:
+    """``argv`` (``PYTHON -m MODULE ...``) under torchrun when ``spec.ranks`` > 1.
+
+    Raises:
+        ConfigError: ``argv`` does not run a Python module.
+    """
+    if spec.ranks == 1:
+        return argv
+    if len(argv) < 3 or argv[1] != "-m":
+        raise ConfigError(f"tiers.{tier}.ranks: {spec.ranks} processes are started by torchrun, "
+                          "which runs a Python module: the command must be a Laminar tier or "
+                          f"`python -m MODULE` (got {list(spec.command)})")
+    return [argv[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(spec.ranks), *argv[1:]]
 
 
 def _resolve(argv: list[str]) -> list[str]:

@@ -21,9 +21,10 @@ includes the ``wait_for`` tier, whose exit with 0 ends the run.
 Per node: each actor tells its tier which node it runs on, unless the tier's
 config says so itself: ``LAMINAR_HOST_ID=ray-<node id>`` (members on one Ray
 node are one host: a worker maps the weights of the relay on its own node)
-and, for a tier that sets neither ``bind_host`` nor ``advertise_host``,
-``LAMINAR_ADVERTISE_HOST=<node address>`` (the address Ray knows the node by,
-which the other nodes reach). ``replicas: -1`` with custom ``resources``
+and, on a cluster of more than one node, for a tier that sets neither
+``bind_host`` nor ``advertise_host``, ``LAMINAR_ADVERTISE_HOST=<node address>``
+(the address Ray knows the node by, which the other nodes reach; on one node
+the tiers stay on loopback). ``replicas: -1`` with custom ``resources``
 places one replica on every alive node that has those resources (``{rollout:
 0.01}`` for relays puts one relay on each node that runs workers). A tier's
 process is started under ``setpriv --pdeathsig KILL`` where there is one, so
@@ -63,18 +64,19 @@ from laminar_common.launch.readiness import wait_ready
 __all__ = ["RayLauncher", "node_env"]
 
 
-def node_env(config: dict, environ, node_id: str, node_ip: str) -> dict[str, str]:
+def node_env(config: dict, environ, node_id: str, node_ip: str | None) -> dict[str, str]:
     """The ``LAMINAR_*`` variables that tell a tier replica which Ray node it runs on.
 
     Only what neither the tier's ``config`` nor the node's environment sets:
-    ``LAMINAR_HOST_ID`` (``ray-<node id>``) and, for a tier that chooses no
-    address itself, ``LAMINAR_ADVERTISE_HOST`` (the node's address). A tier
+    ``LAMINAR_HOST_ID`` (``ray-<node id>``) and, given a ``node_ip`` (on a
+    cluster of more than one node; on one node the tiers stay on loopback), for
+    a tier that chooses no address itself, ``LAMINAR_ADVERTISE_HOST``. A tier
     without such a field ignores the variable (see :func:`~laminar_common.config.load_config`).
     """
     env = {}
     if not config.get("host_id") and "LAMINAR_HOST_ID" not in environ:
         env["LAMINAR_HOST_ID"] = f"ray-{node_id[:16]}"
-    if not (config.get("bind_host") or config.get("advertise_host")) and \
+    if node_ip and not (config.get("bind_host") or config.get("advertise_host")) and \
             "LAMINAR_ADVERTISE_HOST" not in environ and "LAMINAR_BIND_HOST" not in environ:
         env["LAMINAR_ADVERTISE_HOST"] = node_ip
     return env
@@ -86,7 +88,7 @@ def _actor_class(ray):
         """Runs one tier replica's CLI as a child process and reports on it."""
 
         def __init__(self, name: str, argv: list[str], config_text: str, log_dir: str,
-                     restart_args: list[str]) -> None:
+                     restart_args: list[str], multi_node: bool) -> None:
             import shutil
             import sys
 
@@ -110,7 +112,8 @@ def _actor_class(ray):
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             env = tier_env(os.environ)
             env.update(node_env(yaml.safe_load(config_text) or {}, os.environ,
-                                context.get_node_id(), ray.util.get_node_ip_address()))
+                                context.get_node_id(),
+                                ray.util.get_node_ip_address() if multi_node else None))
             self.node = context.get_node_id()
             self.child = ChildProcess(name, argv, str(Path(log_dir) / f"{name}.log"), env=env)
             self.seen = 0
@@ -171,6 +174,7 @@ class RayLauncher(LocalLauncher):
     def start_tiers(self):  # type: ignore[override]
         ray = self._init_ray()
         replica_cls = _actor_class(ray)
+        multi_node = self.nodes() > 1
         started: dict[str, list[object]] = {}
         for tier, spec in self.job.tiers.items():
             started[tier] = []
@@ -194,7 +198,8 @@ class RayLauncher(LocalLauncher):
                 elif tier == "relay" or spec.replicas > 1:
                     options["scheduling_strategy"] = "SPREAD"
                 actor = replica_cls.options(**options).remote(
-                    name, argv, config_text, str(self.run_dir / "logs"), list(spec.restart_args))
+                    name, argv, config_text, str(self.run_dir / "logs"), list(spec.restart_args),
+                    multi_node)
                 self.actors.append((name, actor))
                 started[tier].append(actor)
                 self._say(f"started {name} as a Ray actor ({options['num_cpus']} CPU, "
