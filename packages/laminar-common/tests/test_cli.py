@@ -53,7 +53,7 @@ def test_the_commands_and_their_options_are_those_of_before():
     assert sorted(cli.commands) == ["demo", "etcd", "keys", "member", "prompts", "report",
                                     "status", "up"]
     opts = {name: {o for p in cmd.params for o in p.opts} for name, cmd in cli.commands.items()}
-    assert opts["up"] == {"job", "--set", "--backend", "--ray-address", "--num-cpus"}
+    assert opts["up"] == {"job", "--set", "--backend", "--address", "--ray-address", "--num-cpus"}
     assert opts["status"] >= {"--etcd", "--job", "--auth-dir", "--etcd-ca", "--etcd-cert",
                               "--etcd-key"}
     assert opts["prompts"] >= {"--task", "--n", "--split", "--seed", "--out", "--difficulty"}

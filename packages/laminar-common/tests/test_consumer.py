@@ -94,6 +94,26 @@ def test_registers_a_ready_trainer_record_at_its_address(store, make_consumer):
     assert InMemoryCoordinator(store, "job").members(Role.TRAINER) == {}
 
 
+def test_a_wildcard_bind_advertises_the_given_address_and_host_id(store):
+    """Over real ZeroMQ: bound on every interface, workers are told advertise_host."""
+    with pytest.raises(ValueError, match="advertise_host"):
+        TrajectoryConsumer(InMemoryCoordinator(store, "job"), listen="tcp://0.0.0.0:0")
+    consumer = TrajectoryConsumer(InMemoryCoordinator(store, "job"), listen="tcp://0.0.0.0:0",
+                                  advertise_host="127.0.0.1", host_id="host-7",
+                                  owns_coordinator=True)
+    try:
+        [rec] = wait_ready(InMemoryCoordinator(store, "job"), Role.TRAINER, "trainer",
+                           timeout_s=1)
+        assert rec.address.startswith("tcp://127.0.0.1:") and rec.host_id == "host-7"
+        sender = make_push_sender(rec.address)
+        sender.send(traj("w0#0"))
+        got = consumer.poll(timeout_s=5)
+        assert got is not None and got.trajectory_id == "w0#0"
+        sender.close()
+    finally:
+        consumer.close(timeout_s=0)
+
+
 def test_each_id_is_returned_once_and_acks_reach_the_manager(store, make_consumer):
     manager = Manager(store, started_at=1.0)
     consumer, worker = make_consumer()

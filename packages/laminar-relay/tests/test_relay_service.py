@@ -7,6 +7,7 @@ import threading
 from relay_helpers import tensors_for, wait_for
 
 from laminar_common.relay.wire import VersionNotFoundError
+from laminar_relay.service import RelayService
 
 
 def holders(relays, version):
@@ -124,3 +125,19 @@ def test_readers_never_see_a_partial_version(make_relay, make_client):
     assert not problems
     assert seen == sorted(seen), "a reader went back in time"
     assert seen[-1] == 5
+
+
+def test_a_wildcard_bind_needs_an_advertised_address(etcd):
+    """A library caller binding every interface must say what peers are told; the
+    config path (make_relay_service) resolves it, so the record never names 0.0.0.0."""
+    import pytest
+
+    from laminar_common.membership import InMemoryCoordinator
+    from laminar_relay.memory import make_allocator
+    from laminar_relay.store import WeightStore
+
+    with pytest.raises(ValueError, match="advertise_host"):
+        RelayService(member_id="r0", coordinator=InMemoryCoordinator(etcd, "unit"),
+                     store=WeightStore(make_allocator("heap"), max_bytes=1 << 20,
+                                         max_version_bytes=1 << 19),
+                     bind_host="0.0.0.0")

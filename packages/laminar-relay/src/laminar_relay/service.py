@@ -43,7 +43,7 @@ from laminar_common.errors import (
 )
 from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent, VersionRecord
 from laminar_common.metrics import Metric, MetricsServer
-from laminar_common.net import host_identity
+from laminar_common.net import host_identity, is_wildcard
 from laminar_common.relay.dataplane import ChunkFrame, ZmqChunkReceiver
 from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
 from laminar_common.relay.wire import (
@@ -87,7 +87,8 @@ class RelayService(Service):
         coordinator: the job's coordinator (real etcd or the in-memory twin).
         store: the weight store.
         bind_host: interface the servers listen on.
-        advertise_host: host name or IP peers use to reach this relay.
+        advertise_host: host name or IP peers use to reach this relay (default:
+            ``bind_host``; required when that is a wildcard).
         host: host id same-host readers compare with theirs (default: this machine's).
         store_backend: ``memfd`` or ``heap`` (advertised in etcd).
         grpc_port / data_port: ports (0: any free port).
@@ -148,6 +149,10 @@ class RelayService(Service):
         self.metrics: MetricsServer | None = None
         self.coordinator = coordinator
         self.store = store
+        if advertise_host is None and is_wildcard(bind_host):
+            raise ValueError(f"bind_host {bind_host!r} listens on every interface: give "
+                             "advertise_host, the address peers reach this relay at "
+                             "(make_relay_service resolves it from the config)")
         self.bind_host = bind_host
         self.advertise_host = advertise_host or bind_host
         self.host = host or host_identity()

@@ -55,6 +55,7 @@ from laminar_common.consume.consumed import ConsumedIds
 from laminar_common.consume.validation import Invalid, check_trajectory
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent, VersionRecord
+from laminar_common.net import Listen, endpoint_host, host_identity, is_wildcard
 from laminar_common.roles import Extra, Role
 from laminar_common.transport import (
     PullReceiver,
@@ -122,8 +123,12 @@ class TrajectoryConsumer:
             :meth:`connect` to have the consumer make and own one).
         member_id: the trainer's member id (one trainer per job).
         listen: where to bind the trajectory socket (``tcp://host:port``, port
-            0 picks one; ``inproc://name`` in unit tests). Workers connect to
-            the bound address, so bind a routable host for other machines.
+            0 picks one; ``tcp://0.0.0.0:port`` every interface; ``inproc://name``
+            in unit tests).
+        advertise_host: the address workers are told (default: the bound
+            host; required when ``listen`` binds a wildcard).
+        host_id: this machine's identity in the member record (default: the
+            machine id, :func:`~laminar_common.net.host_identity`).
         auth: CURVE keys (``AuthConfig.curve()``) when the job authenticates.
         vocab_size: refuse token ids at or above it (None: only negative ids).
         max_rejections: copies of one id refused by content before it is given
@@ -139,7 +144,8 @@ class TrajectoryConsumer:
     """
 
     def __init__(self, coordinator: Coordinator, *, member_id: str = "trainer",
-                 listen: str = "tcp://127.0.0.1:0", auth: CurveAuth | None = None,
+                 listen: str = "tcp://127.0.0.1:0", advertise_host: str | None = None,
+                 host_id: str | None = None, auth: CurveAuth | None = None,
                  vocab_size: int | None = None, max_rejections: int = 3,
                  state: Mapping[str, Any] | None = None,
                  extra: Mapping[str, str] | None = None,
@@ -169,16 +175,23 @@ class TrajectoryConsumer:
         self._latest_read_at = 0.0
         self._retry_at = 0.0
         self._closed = False
+        bound_host = endpoint_host(listen.split("://", 1)[-1]) if listen.startswith("tcp://") \
+            else None
+        if advertise_host is None and is_wildcard(bound_host):
+            raise ValueError(f"listen {listen!r} binds every interface: give advertise_host, "
+                             "the address workers reach this trainer at")
         self._receiver: PullReceiver = make_pull_receiver(listen, expect=Trajectory, auth=auth)
-        self.endpoint = self._receiver.endpoint
-        """The bound trajectory address (what workers connect to)."""
+        self.endpoint = self._receiver.endpoint if advertise_host is None else \
+            Listen(bind=bound_host or "", advertise=advertise_host).advertised(
+                self._receiver.endpoint)
+        """The advertised trajectory address (what workers connect to)."""
         self._watches = []
         try:
             self._watches.append(coordinator.watch_members(self._on_manager, role=Role.MANAGER))
             self._watches.append(coordinator.watch_latest(self._on_latest))
             coordinator.register(MemberRecord(
                 member_id=member_id, role=Role.TRAINER, address=self.endpoint,
-                package_version=__version__, extra={**(extra or {}), Extra.READY: "1"}))
+                host_id=host_identity(host_id), package_version=__version__, extra={**(extra or {}), Extra.READY: "1"}))
         except BaseException:
             self._close_sockets()
             raise
