@@ -52,6 +52,49 @@ def test_unauthorized_and_plain_pushes_are_refused_and_counted(keys):
     rx.close()
 
 
+def test_handshakes_without_curve_or_with_another_server_key_are_counted_and_exported(keys):
+    """A plain peer, and one holding another job's server key, never reach ZAP: the
+    server socket's monitor counts them, and every tier's /metrics exports the count."""
+    import time
+    import urllib.request
+
+    from laminar_common.auth import HANDSHAKE_FAILURES, refusals
+    from laminar_common.metrics import MetricsServer
+
+    job, intruder = keys
+    stranger = CurveAuth(intruder.client_public, None, job.client_public, job.client_secret,
+                         frozenset())  # the right client keys, a wrong server key
+    rx = ZmqPullReceiver(auth=job)
+    before = sum(HANDSHAKE_FAILURES.values())
+    senders = [ZmqPushSender(rx.endpoint, send_timeout_s=0.3),
+               ZmqPushSender(rx.endpoint, auth=stranger, send_timeout_s=0.3)]
+    for tx in senders:
+        try:
+            tx.send(ACK)
+        except TransportError:
+            pass
+    deadline = time.monotonic() + 10
+    while sum(HANDSHAKE_FAILURES.values()) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(HANDSHAKE_FAILURES.values()) >= before + 2, dict(HANDSHAKE_FAILURES)
+    assert rx.recv(timeout_s=0.2) is None
+    server = MetricsServer("relay", "j", "r0", lambda: [])
+    try:
+        text = urllib.request.urlopen(server.start(), timeout=5).read().decode()
+    finally:
+        server.stop()
+    # Each kind is named; the peers keep retrying, so the scrape may have counted more.
+    assert HANDSHAKE_FAILURES["mechanism-mismatch"] >= 1 and \
+        HANDSHAKE_FAILURES["cryptographic"] >= 1, dict(HANDSHAKE_FAILURES)
+    scraped = {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line.startswith("laminar_relay_auth_refused_total")}
+    assert scraped["handshake-mechanism-mismatch"] >= 1 and scraped["handshake-cryptographic"] >= 1
+    assert scraped["unauthorized-key"] == refusals()["unauthorized-key"]
+    for tx in senders:
+        tx.close(linger_s=0)
+    rx.close()
+
+
 def test_router_dealer_handshake_needs_the_key(keys):
     job, intruder = keys
     server = ZmqServer(member_id="mgr", auth=job)

@@ -6,8 +6,12 @@ ZeroMQ: CURVE. ``laminar keys --out DIR`` writes a job-wide server keypair
 connect. Binding sockets act as CURVE servers and check every client key
 against ``authorized/`` through one ZAP handler per process; a peer whose key
 is not there is refused, logged at WARNING with its key, and counted in
-:data:`REFUSED`. A peer without the server's public key cannot even complete
-the handshake.
+:data:`REFUSED`. A peer without CURVE, or without the server's public key,
+cannot even complete the handshake: a monitor on every CURVE server socket
+sees that failure, logs it (the first :data:`LOG_FIRST` of each kind, then
+every 1000th) and counts it in :data:`HANDSHAKE_FAILURES`. Every tier's
+``/metrics`` exports both as ``auth_refused_total{reason}``
+(:func:`refusals`).
 
 gRPC (relay control plane): mutual TLS with a CA written by ``laminar keys``
 (``ca.pem``; ``server.pem`` / ``server-key.pem`` naming 127.0.0.1, localhost
@@ -53,7 +57,7 @@ from laminar_common.errors import ConfigError
 
 __all__ = ["CurveAuth", "TlsFiles", "create_keys", "split_keys", "peer_role", "PUBLISHER_CN",
            "RELAY_CN", "CLIENT_CN", "etcd_tls_paths", "grpc_channel",
-           "grpc_server_credentials", "REFUSED", "ETCD_CA", "ETCD_CLIENT_CERT", "ETCD_CLIENT_KEY",
+           "grpc_server_credentials", "REFUSED", "HANDSHAKE_FAILURES", "refusals", "ETCD_CA", "ETCD_CLIENT_CERT", "ETCD_CLIENT_KEY",
            "ETCD_SERVER_CERT", "ETCD_SERVER_KEY"]
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,11 @@ _CERT_OF_ROLE = {"client": "client", "publisher": "publisher", "relay": "server"
 
 REFUSED: collections.Counter[str] = collections.Counter()
 """CURVE client keys refused by this process's ZAP handler (z85 text -> count)."""
+HANDSHAKE_FAILURES: collections.Counter[str] = collections.Counter()
+"""Peers whose handshake with one of this process's CURVE server sockets failed
+(no CURVE, a wrong server key, a malformed greeting), by kind."""
+LOG_FIRST = 50
+"""Refusals of each kind logged one by one before only every 1000th is."""
 
 _auth_lock = threading.Lock()
 _authenticator: ThreadAuthenticator | None = None
@@ -89,9 +98,104 @@ class _KeyCheck:
             return True
         text = z85.decode(errors="replace")
         REFUSED[text] += 1
-        log.warning("refused a ZeroMQ peer: CURVE key %s is not authorized (domain %r)",
-                    text, domain)
+        if _worth_logging(sum(REFUSED.values())):
+            log.warning("refused a ZeroMQ peer: CURVE key %s is not authorized (domain %r)",
+                        text, domain)
         return False
+
+
+def _worth_logging(count: int) -> bool:
+    return count <= LOG_FIRST or count % 1000 == 0
+
+
+def refusals() -> dict[str, int]:
+    """ZeroMQ peers this process refused, by reason: ``unauthorized-key`` (ZAP) and
+    ``handshake-<kind>`` (no CURVE, a wrong server key, ...)."""
+    out = {"unauthorized-key": sum(REFUSED.values())}
+    out.update({f"handshake-{kind}": n for kind, n in list(HANDSHAKE_FAILURES.items())})
+    return out
+
+
+class _HandshakeWatcher:
+    """One daemon thread reading the monitor sockets of every CURVE server socket.
+
+    A monitor socket is created on the thread that owns the watched socket and
+    handed over under a lock; it is closed when its socket closes (libzmq's
+    ``MONITOR_STOPPED``).
+    """
+
+    EVENTS = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",
+              zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol-error"}
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new: list[zmq.Socket] = []
+        self._thread: threading.Thread | None = None
+
+    def watch(self, sock: zmq.Socket) -> None:
+        mask = zmq.EVENT_MONITOR_STOPPED
+        for event in self.EVENTS:
+            mask |= event
+        monitor = sock.get_monitor_socket(mask)
+        monitor.linger = 0
+        with self._lock:
+            self._new.append(monitor)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="laminar-zmq-handshakes",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        poller = zmq.Poller()
+        monitors: set[zmq.Socket] = set()
+        while True:
+            with self._lock:
+                for monitor in self._new:
+                    poller.register(monitor, zmq.POLLIN)
+                    monitors.add(monitor)
+                self._new.clear()
+            try:
+                ready = dict(poller.poll(200))
+            except zmq.ZMQError as exc:  # the context is being terminated: let it finish
+                log.debug("handshake monitor stops: %s", exc)
+                for monitor in monitors:
+                    monitor.close(0)
+                return
+            for monitor in list(monitors):
+                if monitor not in ready:
+                    continue
+                try:
+                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    log.debug("handshake monitor read failed: %s", exc)
+                    event = {"event": zmq.EVENT_MONITOR_STOPPED}
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    poller.unregister(monitor)
+                    monitors.discard(monitor)
+                    monitor.close(0)
+                    continue
+                if event["event"] not in self.EVENTS:
+                    continue
+                kind = _PROTOCOL_ERRORS.get(event.get("value"), self.EVENTS[event["event"]])
+                HANDSHAKE_FAILURES[kind] += 1
+                if _worth_logging(HANDSHAKE_FAILURES[kind]):
+                    endpoint = event.get("endpoint", b"")
+                    log.warning(
+                        "refused a ZeroMQ peer at %s: CURVE handshake failed (%s): a peer "
+                        "without CURVE keys (mechanism-mismatch) or with another job's server "
+                        "key (cryptographic)",
+                        endpoint.decode(errors="replace") if isinstance(endpoint, bytes)
+                        else endpoint, kind)
+
+
+_PROTOCOL_ERRORS = {int(getattr(zmq, name)): name.removeprefix("PROTOCOL_ERROR_")
+                    .removeprefix("ZMTP_").removeprefix("ZAP_").lower().replace("_", "-")
+                    for name in dir(zmq) if name.startswith("PROTOCOL_ERROR_")}
+"""libzmq's handshake error codes by name (``mechanism-mismatch``, ``cryptographic``, ...)."""
+
+_watcher = _HandshakeWatcher()
 
 
 def _ensure_authenticator(authorized: set[bytes]) -> None:
@@ -139,6 +243,7 @@ class CurveAuth:
         sock.curve_secretkey = self.server_secret
         sock.curve_publickey = self.server_public
         sock.curve_server = True
+        _watcher.watch(sock)
 
     def apply_client(self, sock: zmq.Socket) -> None:
         """Make a connecting socket a CURVE client of the job's server key."""

@@ -58,6 +58,17 @@ class MetricsServer:
             for label_values, value in m.values.items():
                 fam.add_metric([self.job, self.member, *label_values], float(value))
             yield fam
+        yield self._auth_refusals(CounterMetricFamily, base)
+
+    def _auth_refusals(self, family, base):
+        """Every tier's ZeroMQ peers refused by authentication (:func:`laminar_common.auth.refusals`)."""
+        from laminar_common.auth import refusals
+
+        fam = family(f"laminar_{self.tier}_auth_refused", "ZeroMQ peers refused by CURVE "
+                     "authentication, by reason", labels=(*base, "reason"))
+        for reason, value in refusals().items():
+            fam.add_metric([self.job, self.member, reason], float(value))
+        return fam
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Start the endpoint; returns its URL (port 0 picks a free one)."""
