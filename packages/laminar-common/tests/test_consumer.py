@@ -272,6 +272,32 @@ def test_check_trajectory_reasons():
     assert check_trajectory(traj(policy_version=4), trainer_version=3).reason == "bad-version"
 
 
+def test_observation_spans_travel_and_are_checked():
+    """Multi-turn: one behaviour log-prob per generated token; spans in order, disjoint,
+    inside the response and after the model's first token."""
+    from laminar_common import codec as wire
+
+    ok = traj(response_token_ids=(3, 7, 8, 4, 9, 5), behaviour_logprobs=(-0.1, -0.2, -0.3),
+              observation_spans=((1, 3), (4, 5)))
+    assert ok.generated_tokens == 3 and check_trajectory(ok, vocab_size=50) is None
+    back = wire.decode(wire.encode(ok))
+    assert back.observation_spans == ((1, 3), (4, 5)) and back == ok
+    bad = {
+        "overlapping": ((1, 3), (2, 4)), "empty": ((1, 1),), "past the end": ((4, 7),),
+        "out of order": ((4, 5), (1, 3)), "at the start": ((0, 2), (4, 5)),
+    }
+    for case, spans in bad.items():
+        got = check_trajectory(traj(response_token_ids=(3, 7, 8, 4, 9, 5),
+                                    behaviour_logprobs=(-0.1,) * 3, observation_spans=spans))
+        assert got is not None and got.reason == "bad-observation-spans", case
+        assert "observation span" in got.detail, case
+    # Log-probs for every response token (the environment's too) is a length mismatch.
+    wrong = traj(response_token_ids=(3, 7, 8, 4), behaviour_logprobs=(-0.1,) * 4,
+                 observation_spans=((1, 3),))
+    got = check_trajectory(wrong)
+    assert got.reason == "length-mismatch" and "2 tokens generated (of 4" in got.detail
+
+
 def test_the_data_source_travels_and_its_length_is_bounded():
     from laminar_common.consume.validation import MAX_DATA_SOURCE_CHARS, REASONS
 

@@ -323,3 +323,33 @@ def test_no_forward_is_wasted_on_the_proximal_log_probs():
         # one forward per update, plus one without a graph for every mini-batch but the
         # first (the first update's own forward is at the proximal weights)
         assert len(calls) == expected, (mini, epochs, len(calls))
+
+
+def test_tool_tokens_are_context_never_trained():
+    """A two-turn trajectory: the model's token, two environment tokens (a tool result),
+    the model's token again. The environment tokens' rows get exactly no gradient; the
+    generated ones get the hand gradient with their behaviour log-probs in place and
+    the token-mean over generated tokens only (2 + 1)."""
+    model = Bigram()
+    start = model.table.detach().clone()
+    turns = _traj(0, (1, 3, 4, 2), 1.0, 0, "a", (_logp(start, 0, 1), _logp(start, 4, 2)))
+    turns = Trajectory(**{**{f: getattr(turns, f) for f in turns.__struct_fields__},
+                          "observation_spans": ((1, 3),)})
+    single = _traj(0, (2,), 0.0, 1, "a", (_logp(start, 0, 2),))
+    assert turns.generated_tokens == 2
+    cfg = _cfg(batch_groups=1)
+    opt, sched = make_optimizer(model, cfg.optim, 10)
+    seen = _record_grads(opt, model.table)
+    train_step(model, opt, sched, [Group("a", 2, {0: turns, 1: single})], cfg)
+    grad = seen[0][1].double()
+    adv = 0.5 / (math.sqrt(0.5) + 1e-6)
+    eye = torch.eye(V, dtype=torch.float64)
+
+    def term(row: int, tok: int, a: float) -> torch.Tensor:
+        return -a / 3 * (eye[tok] - torch.softmax(start[row].double(), -1))
+
+    assert torch.allclose(grad[0], term(0, 1, adv) + term(0, 2, -adv), atol=1e-6)
+    assert torch.allclose(grad[4], term(4, 2, adv), atol=1e-6)
+    # Rows 1 and 3 would predict the tool tokens 3 and 4: nothing trains them.
+    assert torch.count_nonzero(grad[1]) == 0 and torch.count_nonzero(grad[3]) == 0
+    assert trajectory_metrics([turns, single])["response_length_max"] == 2

@@ -51,8 +51,10 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 6
-"""6: member records carry ``host_id`` (same-host decisions compare it, not host
+PROTOCOL_VERSION = 7
+"""7: :class:`Trajectory` carries ``observation_spans`` (multi-turn: the response tokens an
+environment added, never trained on; behaviour log-probs cover only the generated ones).
+6: member records carry ``host_id`` (same-host decisions compare it, not host
 names) and a relay's fetch reply names its host id. 5: :class:`Trajectory` carries its task's ``data_source`` (the dataset it came
 from, for per-source metrics); adds :class:`GroupsFiltered` (trainer -> manager,
 dynamic sampling). 4: :class:`PromptTask` carries chat ``messages`` and nested
@@ -164,6 +166,18 @@ class Trajectory(_Msg, tag="trajectory"):
     data_source: str = ""
     """The task's ``metadata["data_source"]`` when it is a string (verl-format rows
     carry one), else empty: the trainer reports rewards per source."""
+    observation_spans: tuple[tuple[int, int], ...] = ()
+    """Multi-turn: the ``[start, end)`` ranges of ``response_token_ids`` that the
+    environment added between the model's turns (tool results and the chat template's
+    turn markers), in order and disjoint. They are context for the later turns and are
+    never trained on; ``behaviour_logprobs`` holds one value per generated token (the
+    response without these ranges), in order. Empty for a single-turn trajectory."""
+
+    @property
+    def generated_tokens(self) -> int:
+        """Response tokens the policy generated (the ones the loss trains on)."""
+        return len(self.response_token_ids) - sum(end - start
+                                                  for start, end in self.observation_spans)
 
 
 class PartialProgress(_Msg, tag="partial"):

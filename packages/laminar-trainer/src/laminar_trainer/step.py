@@ -123,10 +123,10 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) 
 
 
 def trajectory_metrics(trajs: list[Trajectory]) -> dict:
-    """What a step's trajectories look like: response length mean/max, the fraction cut
-    at ``max_tokens`` (``truncation_rate``) and the mean reward per ``data_source``
-    (``reward_by_source``; trajectories without one under ``"none"``)."""
-    lengths = [len(t.response_token_ids) for t in trajs]
+    """What a step's trajectories look like: response length (generated tokens) mean/max,
+    the fraction cut at ``max_tokens`` (``truncation_rate``) and the mean reward per
+    ``data_source`` (``reward_by_source``; trajectories without one under ``"none"``)."""
+    lengths = [t.generated_tokens for t in trajs]
     by_source: dict[str, list[float]] = {}
     for t in trajs:
         by_source.setdefault(getattr(t, "data_source", "") or _NO_SOURCE, []).append(t.reward)
@@ -204,7 +204,7 @@ def _advantages(groups: list[Group], cfg) -> dict[str, float]:
     trajs = [t for g in groups for t in g.trajectories()]
     loss = cfg.loss
     rewards = torch.tensor([
-        t.reward + overlong_penalty(len(t.response_token_ids), t.sampling.max_tokens,
+        t.reward + overlong_penalty(t.generated_tokens, t.sampling.max_tokens,
                                     loss.overlong_buffer, loss.overlong_penalty)
         for t in trajs], dtype=torch.float32)
     adv = compute_advantages(rewards, [t.prompt_id for t in trajs], _ESTIMATOR[loss.algorithm])
@@ -223,6 +223,14 @@ def _pack(part: list[Group], advantages: dict[str, float], cfg, device) -> _Micr
     old = torch.zeros(comp_mask.shape, dtype=torch.float32)
     for row, t in enumerate(trajs):
         cols = comp_mask[row].nonzero().squeeze(-1)
+        if t.observation_spans:
+            # Environment tokens are context, never trained: out of the mask, and the
+            # behaviour log-probs (one per generated token) go to the generated positions.
+            observed = torch.zeros(len(cols), dtype=torch.bool)
+            for start, end in t.observation_spans:
+                observed[start:end] = True
+            comp_mask[row, cols[observed]] = False
+            cols = cols[~observed]
         old[row, cols] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
         if not _in_loss(t, cfg):
             comp_mask[row] = False
@@ -238,8 +246,7 @@ def _denominator(chunk: list[Group], cfg) -> tuple[float, float | None]:
     """The whole mini-batch's aggregation count (every rank computes the same one), and
     the -norm constant."""
     trajs = [t for g in chunk for t in g.trajectories()]
-    lengths = torch.tensor([len(t.response_token_ids) if _in_loss(t, cfg) else 0
-                            for t in trajs])
+    lengths = torch.tensor([t.generated_tokens if _in_loss(t, cfg) else 0 for t in trajs])
     width = int(lengths.max()) if len(lengths) else 0
     mask = torch.arange(max(width, 1))[None, :] < lengths[:, None]
     norm = None

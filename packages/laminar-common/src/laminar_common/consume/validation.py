@@ -8,8 +8,9 @@ label) and a ``detail`` naming the trajectory, its worker and the value.
 
 Checks, in order: group fields (``group_size`` >= 1, ``0 <= sample_index <
 group_size``, a watermark ``settled_below`` not past its own ``group_seq``),
-a non-empty prompt and response, as many behaviour log-probs
-as response tokens, token ids inside the model's vocabulary, a finite reward,
+a non-empty prompt and response, ``observation_spans`` (multi-turn) in
+order, disjoint, inside the response and not at its start, one behaviour
+log-prob per generated token (the response without those spans), token ids inside the model's vocabulary, a finite reward,
 finite log-probs that are <= 0, a positive sampling temperature (the
 trainer's, if it fixes one), a policy version the trainer has published
 (``0 <= policy_version <= trainer_version``), and a ``data_source`` of at most
@@ -29,7 +30,7 @@ __all__ = ["Invalid", "check_trajectory", "REASONS", "MAX_DATA_SOURCE_CHARS"]
 
 REASONS = ("bad-group", "empty-prompt", "empty-response", "length-mismatch",
            "token-out-of-range", "non-finite-reward", "bad-logprob", "bad-version",
-           "group-mismatch", "bad-sampling", "bad-data-source")
+           "group-mismatch", "bad-sampling", "bad-data-source", "bad-observation-spans")
 """Every reason a trajectory can be rejected for (metrics labels)."""
 
 MAX_DATA_SOURCE_CHARS = 200
@@ -54,6 +55,22 @@ def _bad_token(ids: tuple[int, ...], vocab_size: int | None) -> int | None:
     for tok in ids:
         if tok < 0 or (vocab_size is not None and tok >= vocab_size):
             return tok
+    return None
+
+
+def _bad_spans(spans: tuple[tuple[int, int], ...], n: int) -> str | None:
+    """Why ``observation_spans`` do not describe ``n`` response tokens (None: they do)."""
+    previous_end = 0
+    for i, span in enumerate(spans):
+        if len(span) != 2:
+            return f"observation span {i} is {span!r}, not [start, end)"
+        start, end = span
+        if not previous_end <= start < end <= n:
+            return (f"observation span {i} [{start}, {end}) is empty, out of order, overlaps "
+                    f"the one before or lies outside the {n} response tokens")
+        previous_end = end
+    if spans and spans[0][0] == 0:
+        return "an observation span starts the response: the model speaks first"
     return None
 
 
@@ -85,9 +102,14 @@ def check_trajectory(traj: Trajectory, vocab_size: int | None = None,
         return Invalid("empty-prompt", f"{who}: no prompt tokens")
     if not traj.response_token_ids:
         return Invalid("empty-response", f"{who}: no response tokens")
-    if len(traj.behaviour_logprobs) != len(traj.response_token_ids):
+    spans = _bad_spans(traj.observation_spans, len(traj.response_token_ids))
+    if spans is not None:
+        return Invalid("bad-observation-spans", f"{who}: {spans}")
+    if len(traj.behaviour_logprobs) != traj.generated_tokens:
+        extra = "" if not traj.observation_spans else \
+            f" generated (of {len(traj.response_token_ids)} response tokens)"
         return Invalid("length-mismatch", f"{who}: {len(traj.behaviour_logprobs)} behaviour "
-                                          f"log-probs for {len(traj.response_token_ids)} tokens")
+                                          f"log-probs for {traj.generated_tokens} tokens{extra}")
     for part, ids in (("prompt", traj.prompt_token_ids), ("response", traj.response_token_ids)):
         tok = _bad_token(ids, vocab_size)
         if tok is not None:
