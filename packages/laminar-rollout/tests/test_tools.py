@@ -128,3 +128,20 @@ def test_tool_schemas_are_the_function_descriptions_chat_templates_take():
     [schema] = tool_schemas({"add": _Add()})
     assert schema == {"type": "function", "function": {
         "name": "add", "description": "add two numbers", "parameters": _Add.parameters}}
+
+
+def test_the_python_tool_runs_in_the_sandbox_and_reports_failures():
+    from laminar_rollout.sandbox import CodeSandbox, SandboxLimits
+    from laminar_rollout.tools import PythonTool
+
+    tool = PythonTool(CodeSandbox(SandboxLimits(wall_s=2, cpu_s=2)))
+    msg = '<tool_call>{"name": "python", "arguments": {"code": "print(123*456)"}}</tool_call>'
+    with ThreadPoolExecutor(2) as pool:
+        [ok] = run_tool_calls(parse_tool_calls(msg).calls, {"python": tool}, pool, 10)
+        assert ok == {"role": "tool", "name": "python", "content": "56088"}
+        assert tool.call({"code": "print('a')\nraise KeyError('b')"}).startswith(
+            "a\n[exit code 1]\nTraceback")
+        assert tool.call({"code": "import time; time.sleep(30)"}).startswith("[timed out after")
+        assert tool.call({"code": "x = 1"}) == "[no output]"
+        with pytest.raises(ValueError, match="python needs"):
+            tool.call({"source": "print(1)"})
