@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -199,6 +200,10 @@ def ray_cluster():
     ray_bin = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="lr", dir="/tmp")  # short: Ray's socket paths must fit
     port = free_port(HOSTS["a"])
+    # Ray's token authentication, one token for this cluster: every node, the driver
+    # (laminar up) and the actors present it (and a ~/.ray/auth_token left by another
+    # Ray never decides the mode).
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     nodes: dict[str, ChildProcess] = {}
     common = ["--num-cpus", "1", "--object-store-memory", str(100 << 20),
               "--disable-usage-stats", "--block"]
@@ -209,7 +214,7 @@ def ray_cluster():
                 ["--address", f"{HOSTS['a']}:{port}"]
             nodes[h] = ChildProcess(f"ray-{h}", [ray_bin, "start", *where, "--node-ip-address",
                                                  HOSTS[h], "--resources", resources, *common],
-                                    f"{temp}/ray-{h}.log")
+                                    f"{temp}/ray-{h}.log", env=env)
             nodes[h].wait_for_line(r"Ray runtime started", 120)
         probe = subprocess.run(
             [sys.executable, "-c", "import ray, time\n"
@@ -218,9 +223,10 @@ def ray_cluster():
              "    ips = sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])\n"
              "    if len(ips) == 3: break\n"
              "    time.sleep(0.3)\n"
-             "print(' '.join(ips))"], capture_output=True, text=True, timeout=120)
+             "print(' '.join(ips))"], capture_output=True, text=True, timeout=120,
+            env={**os.environ, **env})
         assert probe.stdout.split() == sorted(HOSTS.values()), probe.stdout + probe.stderr
-        yield f"{HOSTS['a']}:{port}", nodes
+        yield f"{HOSTS['a']}:{port}", nodes, env
     finally:
         for child in reversed(list(nodes.values())):
             tree = _descendants(child.pid)
@@ -268,12 +274,13 @@ def _ray_job(run_dir: Path, steps: int) -> dict:
         "wait_for": "trainer", "timeout_s": 400}
 
 
-def _up_ray(tmp_path: Path, job: dict, address: str) -> ChildProcess:
+def _up_ray(tmp_path: Path, job: dict, cluster) -> ChildProcess:
+    address, _, env = cluster
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path),
                                "--backend", "ray", "--address", address],
-                        str(tmp_path / "up.log"), cwd=str(tmp_path))
+                        str(tmp_path / "up.log"), cwd=str(tmp_path), env=env)
 
 
 def _consumed(run_dir: Path) -> list[str]:
@@ -294,9 +301,8 @@ def _host(address: str) -> str:
 
 
 def test_ray_across_three_nodes_one_relay_per_worker_node_exactly_once(tmp_path, ray_cluster):
-    address, _ = ray_cluster
     steps = 8
-    up = _up_ray(tmp_path, _ray_job(tmp_path / "run", steps), address)
+    up = _up_ray(tmp_path, _ray_job(tmp_path / "run", steps), ray_cluster)
     try:
         up.wait_for_line(r"this job spans hosts \(it runs on 3 nodes", 120)
         endpoint = up.wait_for_line(r"etcd at (\S+)", 120).group(1)
@@ -330,9 +336,9 @@ def test_ray_job_survives_losing_a_worker_node(tmp_path, ray_cluster):
     """Node C's raylet and everything under it (its relay, its worker) are SIGKILLed
     mid-run: the worker comes back on node B, reads from B's relay, and the run ends
     with every prompt trained exactly once."""
-    address, nodes = ray_cluster
+    _, nodes, _ = ray_cluster
     steps = 30
-    up = _up_ray(tmp_path, _ray_job(tmp_path / "run", steps), address)
+    up = _up_ray(tmp_path, _ray_job(tmp_path / "run", steps), ray_cluster)
     try:
         endpoint = up.wait_for_line(r"etcd at (\S+)", 120).group(1)
         up.wait_for_line(r"trainer: STEP 4 ", 240)
