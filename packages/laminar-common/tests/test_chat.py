@@ -69,3 +69,19 @@ def test_eos_ids_merge_the_tokenizer_and_generation_config(tokenizer, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
     with pytest.raises(ConfigError, match="eos_token_id"):
         eos_token_ids(tokenizer, tmp_path)
+
+
+def test_observation_text_continues_a_turn_that_ended_on_its_stop_token(tokenizer):
+    from laminar_common.data.chat import observation_text
+
+    history = [{"role": "user", "content": "3 + 4?"},
+               {"role": "assistant", "content": "<tool_call>x</tool_call>"}]
+    obs = [{"role": "tool", "content": "7"}]
+    text = observation_text(tokenizer, history, obs, "<|im_end|>")
+    # After the model's <|im_end|>: the template's newline, the tool turn, the next header.
+    assert text == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    whole = render_chat(tokenizer, history, add_generation_prompt=False)
+    assert whole[:whole.rfind("<|im_end|>") + len("<|im_end|>")] + text == \
+        render_chat(tokenizer, [*history, *obs])
+    with pytest.raises(ConfigError, match="never writes the stop token"):
+        observation_text(tokenizer, history, obs, "<|endoftext|>")

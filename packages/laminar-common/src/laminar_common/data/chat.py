@@ -12,6 +12,13 @@ the trainer would have built for the same record.
 The tokenizer is duck-typed (a Hugging Face ``PreTrainedTokenizerBase``); this
 module imports neither torch nor transformers.
 
+Multi-turn: after the model's turn ends on its stop token, what follows in the
+sequence (the tool results and the next assistant header) is taken from the
+template itself (:func:`observation_text`): the conversation is rendered with
+and without the new messages, and the difference, plus whatever the template
+writes after the stop token's text, is encoded. A template that does not render
+the longer conversation as an extension of the shorter one is refused.
+
 EOS: a model stops on the tokenizer's ``eos_token_id`` *and* on every id in its
 ``generation_config.json`` ``eos_token_id`` (an int or a list: chat models list
 both ``<|im_end|>`` and ``<|endoftext|>``); :func:`eos_token_ids` merges them.
@@ -26,7 +33,8 @@ from typing import Any
 
 from laminar_common.errors import ConfigError
 
-__all__ = ["Prompt", "prompt_token_ids", "render_chat", "eos_token_ids", "has_chat_template"]
+__all__ = ["Prompt", "prompt_token_ids", "render_chat", "observation_text", "eos_token_ids",
+           "has_chat_template"]
 
 Prompt = str | Sequence[Mapping[str, str]]
 
@@ -36,8 +44,10 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]],
-                *, add_generation_prompt: bool = True) -> str:
-    """The chat template's text for ``messages`` (with the assistant's generation prompt).
+                *, add_generation_prompt: bool = True,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """The chat template's text for ``messages`` (with the assistant's generation prompt;
+    ``tools``: function descriptions the template lists for the model).
 
     Raises:
         ConfigError: the tokenizer has no chat template (chat-message prompts need one).
@@ -47,15 +57,48 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]],
         raise ConfigError(f"tokenizer {name!r} has no chat_template, but the prompt is a list "
                           "of chat messages (add a chat_template to tokenizer_config.json, or "
                           "use text prompts: data.chat_template: never)")
+    kwargs = {"tools": [dict(t) for t in tools]} if tools else {}
     return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
 
 
-def prompt_token_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """Token ids of a text prompt or of chat messages (see module docstring)."""
+def observation_text(tokenizer: Any, history: Sequence[Mapping[str, str]],
+                     observations: Sequence[Mapping[str, str]], stop_text: str,
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """The text that follows a model's turn ending in ``stop_text``: the template's rest of
+    that turn, ``observations`` (tool results) and the next assistant header.
+
+    Args:
+        history: the conversation up to and including the model's last message.
+        observations: the messages the environment adds.
+        stop_text: the text of the stop token the model's turn ended with (e.g.
+            ``<|im_end|>``); what the template writes after it belongs here.
+
+    Raises:
+        ConfigError: the template does not render the longer conversation as an
+            extension of the shorter one, or never writes ``stop_text``.
+    """
+    base = render_chat(tokenizer, history, add_generation_prompt=False, tools=tools)
+    full = render_chat(tokenizer, [*history, *observations], tools=tools)
+    if not full.startswith(base):
+        raise ConfigError("the chat template renders a conversation with tool results added "
+                          "differently from the conversation without them (not a prefix), "
+                          "so observation tokens cannot be appended to a running sequence")
+    cut = base.rfind(stop_text) if stop_text else -1
+    if cut < 0:
+        raise ConfigError(f"the chat template never writes the stop token {stop_text!r} after "
+                          "an assistant message; set the worker's stop tokens to the template's "
+                          "end-of-turn token")
+    return base[cut + len(stop_text):] + full[len(base):]
+
+
+def prompt_token_ids(tokenizer: Any, prompt: Prompt,
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """Token ids of a text prompt or of chat messages (see module docstring; ``tools``:
+    function descriptions the chat template lists)."""
     if isinstance(prompt, str):
         return [int(i) for i in tokenizer(prompt)["input_ids"]]
-    text = render_chat(tokenizer, prompt)
+    text = render_chat(tokenizer, prompt, tools=tools)
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
