@@ -62,14 +62,14 @@ def _prompts(tmp_path, n):
 
 
 def _worker(store, wid, max_batch=4, median=6, reward_fn=None, version=0, max_length=80,
-            step_s=0.0005):
+            step_s=0.0005, environment=None):
     engine = SimulatedEngine(max_batch=max_batch, step_time_base=step_s, step_time_per_seq=0.0,
                              prefill_time_per_token=0.0,
                              lengths=LogNormalLengths(median=median, tail_ratio=10,
                                                       max_length=max_length),
                              vocab_size=200, eos_token_id=0, seed=1, weight_version=version)
     cfg = WorkerConfig(job=JOB, worker_id=wid, engine={"type": "simulated"},
-                       report_interval_s=0.05)
+                       report_interval_s=0.05, environment=environment)
     return WorkerService(cfg, engine, ByteTokenizer(),
                          fetch_weights=lambda v: FetchedVersion(v, None),
                          reward_fn=reward_fn or (lambda prompt, text, meta: 1.0),
@@ -153,6 +153,33 @@ def test_new_version_is_pulled_between_trajectories(stack):
     first_v1 = versions.index(1)
     assert all(v == 1 for v in versions[first_v1 + 2:])
     assert w.counters["weight_loads"] == 1
+
+
+def test_multi_turn_trajectories_arrive_once_with_their_tool_turns_on_one_version(stack):
+    """Every trajectory makes two simulated tool calls; a new version published meanwhile
+    is pulled only while no conversation is between turns (the worker reports those as
+    held, so the manager does not ask, and the worker would not load), so no next turn
+    is ever refused for a changed version and each trajectory keeps one version."""
+    from laminar_common.consume.validation import check_trajectory
+
+    store, trainer, start_manager, start_worker = stack
+    start_manager(n_prompts=10, group_size=2)
+    w = start_worker("w1", median=6, environment={
+        "type": "simulated", "options": {"median_s": 0.01, "tool_turns": 2},
+        "max_tokens_per_turn": 80})
+    assert _wait(lambda: len(trainer.got) >= 4, 20, trainer)
+    trainer.coord.publish_version(VersionRecord(version=1))
+    assert _wait(lambda: len({t.trajectory_id for t in trainer.got}) >= 20, 40, trainer)
+    trainer.pump(0.2)
+    ids = [t.trajectory_id for t in trainer.got]
+    assert sorted(set(ids)) == sorted(f"p{i}#{s}" for i in range(10) for s in range(2))
+    for t in trainer.got:
+        assert len(t.observation_spans) == 2, (t.trajectory_id, t.observation_spans)
+        assert len(t.behaviour_logprobs) == t.generated_tokens
+        assert check_trajectory(t, vocab_size=300) is None
+    assert {t.policy_version for t in trainer.got} == {0, 1}
+    assert w.counters["weight_loads"] == 1 and w.counters["turn_refused"] == 0
+    assert w.conversations.counters["env_steps"] >= 2 * 20
 
 
 def test_killed_worker_work_is_resumed_or_redone_exactly_once(stack):

@@ -32,6 +32,8 @@ __all__ = [
     "CustomEngineConfig",
     "EngineConfig",
     "SamplingConfig",
+    "SandboxConfig",
+    "EnvironmentConfig",
     "WorkerConfig",
     "ManagerConfig",
     "RepackConfig",
@@ -159,6 +161,51 @@ class SamplingConfig(LaminarModel):
     """0 turns top-k off."""
 
 
+class SandboxConfig(LaminarModel):
+    """Where the ``python`` tool runs model-written code (``laminar_rollout.sandbox``)."""
+
+    isolation: Literal["auto", "bwrap", "rlimit"] = "auto"
+    """bwrap: bubblewrap namespaces + rlimits (refused where bwrap is missing); rlimit:
+    limits only (no filesystem or network isolation); auto: bwrap where it works, else
+    rlimit with a warning."""
+    cpu_s: int = Field(default=5, ge=1)
+    """CPU seconds a snippet may use."""
+    memory_mb: int = Field(default=512, ge=32)
+    """Address space of a snippet's process."""
+    file_mb: int = Field(default=1, ge=1)
+    """Largest file a snippet may write (in its private /tmp)."""
+    wall_s: float = Field(default=10.0, gt=0)
+    """Wall-clock time of one run (then the whole process tree is killed)."""
+    output_bytes: int = Field(default=8192, ge=64)
+    """stdout and stderr are each cut after this many bytes."""
+
+
+class EnvironmentConfig(LaminarModel):
+    """Multi-turn trajectories: the environment that answers the model between turns."""
+
+    type: str = "tools"
+    """A built-in (tools: Hermes tool calls answered by ``tools``; simulated: tool
+    latency without a model, for benchmarks) or package.module:Class (an
+    ``laminar_rollout.environments.Environment``)."""
+    tools: tuple[str, ...] = ("python",)
+    """Tools of ``type: tools`` (python: code run in the sandbox)."""
+    options: dict[str, Any] = {}
+    """Keyword arguments of the environment class (simulated: median_s, tail_ratio,
+    tool_turns)."""
+    max_turns: int = Field(default=4, ge=1)
+    """Assistant messages at most; the last one is final."""
+    max_tokens_per_turn: int = Field(default=256, ge=1)
+    """Tokens one assistant message may generate."""
+    max_total_tokens: int = Field(default=1024, ge=1)
+    """Generated plus tool-result tokens of the whole response."""
+    tool_timeout_s: float = Field(default=10.0, gt=0)
+    """Wall-clock time one tool call may take."""
+    workers: int = Field(default=4, ge=1)
+    """Threads running environment steps (tool calls), off the decode loop."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """The python tool's sandbox."""
+
+
 class WorkerConfig(HostConfig):
     """Config of ``laminar-rollout serve`` (one generation worker)."""
 
@@ -173,6 +220,8 @@ class WorkerConfig(HostConfig):
     laminar-common[math]; gsm8k: the number after ####; exact: exact-answer match;
     synthetic: the demo's sort/reverse/add tasks) or package.module:function, called
     fn(prompt, completion, metadata) -> float with the ground truth in metadata["answer"]."""
+    environment: EnvironmentConfig | None = None
+    """Multi-turn trajectories (tool calling): unset, a trajectory is one completion."""
     reward_workers: int = Field(default=2, ge=1)
     """Threads scoring completions, off the decode loop."""
     reward_timeout_s: float = Field(default=30.0, gt=0)

@@ -39,6 +39,7 @@ from laminar_common.errors import ConfigError
 from .tools import Tool, parse_tool_calls, run_tool_calls, tool_schemas
 
 __all__ = ["Message", "TurnLimits", "EnvStep", "Environment", "ToolEnvironment",
+           "SimulatedToolEnvironment",
            "ENVIRONMENTS", "make_environment", "conversation_so_far"]
 
 Message = dict[str, Any]
@@ -176,7 +177,48 @@ class ToolEnvironment(Environment):
         self.calls = int(state.get("calls", 0))
 
 
-ENVIRONMENTS: dict[str, type[Environment]] = {"tools": ToolEnvironment}
+class SimulatedToolEnvironment(Environment):
+    """Tool latency without a model or a sandbox, for scheduling benchmarks.
+
+    Every assistant message is answered as if it called a tool: after a wait drawn
+    from a log-normal distribution (``median_s``, p99 = ``tail_ratio`` x median,
+    capped at the tool timeout) comes one ``tool`` message, for the trajectory's
+    first ``tool_turns`` turns; the turn after those is final. The draws are keyed
+    by the record's id and ``seed``, so a trajectory waits the same wherever it runs.
+    """
+
+    def __init__(self, record: Mapping[str, Any], limits: TurnLimits, median_s: float = 0.05,
+                 tail_ratio: float = 10.0, tool_turns: int = 2, seed: int = 0) -> None:
+        import math
+        import zlib
+
+        import numpy as np
+
+        super().__init__(record, limits)
+        if median_s < 0 or tail_ratio < 1 or tool_turns < 0:
+            raise ConfigError(f"simulated environment: median_s {median_s} >= 0, tail_ratio "
+                              f"{tail_ratio} >= 1 and tool_turns {tool_turns} >= 0 required")
+        self.tool_turns = int(tool_turns)
+        self.waited_s = 0.0
+        rng = np.random.default_rng([seed, zlib.crc32(str(record.get("id", "")).encode())])
+        sigma = math.log(tail_ratio) / 2.3263 if tail_ratio > 1 else 0.0
+        self._waits = [min(float(median_s * math.exp(sigma * rng.standard_normal())),
+                           limits.tool_timeout_s) for _ in range(self.tool_turns)]
+
+    def respond(self, assistant: str) -> EnvStep:
+        import time
+
+        if self.turns > self.tool_turns:
+            return EnvStep(done=True)
+        wait = self._waits[self.turns - 1]
+        time.sleep(wait)
+        self.waited_s += wait
+        return EnvStep(observations=[{"role": "tool", "name": "simulated",
+                                      "content": f"result {self.turns} after {wait:.3f}s"}])
+
+
+ENVIRONMENTS: dict[str, type[Environment]] = {"tools": ToolEnvironment,
+                                              "simulated": SimulatedToolEnvironment}
 """Built-in environments by the name a config gives (``env: tools``)."""
 
 

@@ -4,7 +4,9 @@
   directory), loaded offline. ``encode_prompt`` turns a text prompt or chat
   messages into ids with :func:`laminar_common.data.chat.prompt_token_ids`, the
   function the trainer uses too; EOS ids are the tokenizer's plus those of the
-  model's ``generation_config.json``.
+  model's ``generation_config.json``. ``encode_observation`` gives the tokens that
+  follow a model turn in a multi-turn conversation, from the chat template
+  (:func:`laminar_common.data.chat.observation_text`).
 - :class:`ByteTokenizer`: for the simulated engine: UTF-8 bytes offset past a
   few special ids. It exists so scheduling benchmarks need no model files; it
   renders chat messages with a fixed ChatML-like text layout.
@@ -15,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from laminar_common.data.chat import Prompt, eos_token_ids, prompt_token_ids
+from laminar_common.data.chat import Prompt, eos_token_ids, observation_text, prompt_token_ids
 
 __all__ = ["Tokenizer", "HfTokenizer", "ByteTokenizer", "make_tokenizer"]
 
@@ -25,7 +27,15 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]: ...
+    def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping] | None = None
+                      ) -> list[int]: ...
+
+    def encode_observation(self, history: Sequence[Mapping[str, str]],
+                           observations: Sequence[Mapping[str, str]], stop_id: int,
+                           tools: Sequence[Mapping] | None = None) -> list[int]:
+        """Tokens after a model turn that ended on ``stop_id``: the template's rest of the
+        turn, ``observations`` and the next assistant header."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -40,9 +50,17 @@ class HfTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text)["input_ids"])
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping] | None = None
+                      ) -> list[int]:
         """Text as is; chat messages through the chat template (ConfigError if none)."""
-        return prompt_token_ids(self._tok, prompt)
+        return prompt_token_ids(self._tok, prompt, tools=tools)
+
+    def encode_observation(self, history: Sequence[Mapping[str, str]],
+                           observations: Sequence[Mapping[str, str]], stop_id: int,
+                           tools: Sequence[Mapping] | None = None) -> list[int]:
+        text = observation_text(self._tok, history, observations,
+                                self._tok.decode([stop_id]), tools=tools)
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -55,10 +73,18 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [1] + [b + self.OFFSET for b in text.encode()]
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping] | None = None
+                      ) -> list[int]:
         if isinstance(prompt, str):
             return self.encode(prompt)
         return self.encode(render_plain_chat(prompt))
+
+    def encode_observation(self, history: Sequence[Mapping[str, str]],
+                           observations: Sequence[Mapping[str, str]], stop_id: int,
+                           tools: Sequence[Mapping] | None = None) -> list[int]:
+        """The plain layout's newline after the turn, the messages, the next header."""
+        text = "\n" + render_plain_chat(observations)
+        return [b + self.OFFSET for b in text.encode()]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET).decode(

@@ -17,9 +17,15 @@ The loop (one thread owns the engine and every socket):
 4. every ``report_interval_s``: a load report (with the ids finished since the
    last one) and the partial progress of every unfinished trajectory.
 
+Multi-turn (``environment`` set): a turn that ends goes to
+:class:`~laminar_rollout.conversations.Conversations`, which runs the
+environment off this loop and hands the next turn back as a resumed request;
+the trajectory is scored when its conversation is over.
+
 Invariant: every trajectory pushed carries the one ``policy_version`` that
 produced all of its tokens (the engine refuses to load weights while busy and
-refuses a resumed trajectory of another version).
+refuses a resumed trajectory of another version; no weights are pulled while a
+conversation is between turns).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from laminar_common.service import Service
 from laminar_common.transport import Client, PushSender, make_client, make_push_sender
 
 from .config import WorkerConfig
+from .conversations import Completed, make_conversations
 from .engines import EngineError, GenerationEngine, GenerationOutput, GenerationRequest
 from .engines import SamplingParams as EngineSampling
 from .rewards import RewardFn, RewardPool, load_reward_fn
@@ -107,8 +114,12 @@ class WorkerService(Service):
         self.reward_fn = reward_fn or load_reward_fn(config.reward)
         self.rewards = RewardPool(self.reward_fn, workers=config.reward_workers,
                                   timeout_s=config.reward_timeout_s)
-        self._scoring: dict[str, tuple[PromptTask, GenerationOutput, str]] = {}
+        self._scoring: dict[str, tuple[PromptTask, Completed]] = {}
         """Generated, waiting for the reward pool: still held (reported), not yet pushed."""
+        self.conversations = make_conversations(config.environment, tokenizer) \
+            if config.environment is not None else None
+        self._between_turns: dict[str, PromptTask] = {}
+        """Multi-turn trajectories whose environment is answering (held, not in the engine)."""
         self.coordinator = coordinator
         self.manager: Client | None = None
         self._manager_key: tuple[str, float] | None = None
@@ -250,6 +261,8 @@ class WorkerService(Service):
         if self.metrics is not None:
             self.metrics.stop()
         self.rewards.close()
+        if self.conversations is not None:
+            self.conversations.close()
         if self.coordinator is not None:
             self.coordinator.close()
         for sock in (self.manager, self.trainer):
@@ -267,12 +280,14 @@ class WorkerService(Service):
                 self._reconnect_manager(self._rejoin_to)
                 continue
             busy = self.engine.has_unfinished()
-            wait = 0.0 if busy or self._fresh else (0.002 if self._scoring else 0.02)
+            wait = 0.0 if busy or self._fresh else \
+                (0.002 if self._scoring or self._between_turns else 0.02)
             msg = self.manager.recv(timeout_s=wait)
             while msg is not None:
                 self._handle(msg)
                 msg = self.manager.recv(timeout_s=0) if self.manager is not None else None
             if self._pull is not None and not self.engine.has_unfinished() and \
+                    not (self.conversations is not None and self.conversations.busy) and \
                     time.monotonic() >= self._pull_retry_at:
                 try:
                     self._load_weights(self._pull)
@@ -291,6 +306,7 @@ class WorkerService(Service):
                 self.busy_s += time.monotonic() - t0
             else:
                 self._mark("idle")
+            self._next_turns()
             self._collect_rewards()
             self._report()
             self._resend_overdue()
@@ -330,6 +346,10 @@ class WorkerService(Service):
         """
         dropped = self.engine.abort() if self.engine.has_unfinished() else []
         dropped_ids = [out.request_id for out in dropped] + [t.trajectory_id for t in self._fresh]
+        if self.conversations is not None:
+            self.conversations.clear()
+            dropped_ids += [t for t in self._between_turns if t not in dropped_ids]
+            self._between_turns.clear()
         self._tasks.clear()
         self._fresh.clear()
         self._done_since_report.clear()
@@ -413,10 +433,15 @@ class WorkerService(Service):
         s = task.sampling
         stop = tuple(s.stop_token_ids) or tuple(self.tokenizer.eos_token_ids)
         try:
-            ids = list(task.prompt_token_ids) or self.tokenizer.encode_prompt(
-                task.messages or task.prompt)
+            max_tokens = s.max_tokens
+            if self.conversations is not None:
+                ids, turn_tokens = self.conversations.begin(task)
+                max_tokens = len(task.resume_token_ids) + turn_tokens
+            else:
+                ids = list(task.prompt_token_ids) or self.tokenizer.encode_prompt(
+                    task.messages or task.prompt)
             params = EngineSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    max_tokens=s.max_tokens, stop_token_ids=stop, seed=s.seed)
+                                    max_tokens=max_tokens, stop_token_ids=stop, seed=s.seed)
             request = GenerationRequest(
                 request_id=task.trajectory_id, prompt_token_ids=ids, params=params,
                 resume_token_ids=list(task.resume_token_ids),
@@ -426,20 +451,55 @@ class WorkerService(Service):
             self.engine.add_request(request)
         except (EngineError, ConfigError, ValueError) as exc:
             self.counters["rejected"] += 1
+            if self.conversations is not None:
+                self.conversations.drop(task.trajectory_id)
             self.manager.send(codec.GenerationRejected(trajectory_ids=(task.trajectory_id,),
                                       reason=str(exc)))
             return
         self._tasks[task.trajectory_id] = task
 
     def _finish(self, out: GenerationOutput) -> None:
-        """Generation is over: hand the completion to the reward pool (off the decode loop)."""
+        """Generation is over: hand the completion to the reward pool (off the decode loop),
+        or a multi-turn trajectory's turn to its environment."""
         task = self._tasks.pop(out.request_id)
         if out.finish_reason == "aborted":
+            if self.conversations is not None:
+                self.conversations.drop(out.request_id)
             return
-        text = self.tokenizer.decode(out.token_ids)
-        self._scoring[task.trajectory_id] = (task, out, text)
+        if self.conversations is None:
+            self._score(task, Completed.single_turn(out, self.tokenizer.decode(out.token_ids)))
+            return
+        done = self.conversations.turn_ended(out)
+        if done is None:
+            self._between_turns[task.trajectory_id] = task
+        else:
+            self._score(task, done)
+
+    def _next_turns(self) -> None:
+        """Environments that answered: next turns into the engine, finished conversations
+        to the reward pool."""
+        if self.conversations is None or not self._between_turns:
+            return
+        turns, done = self.conversations.poll()
+        for task, request in turns:
+            self._between_turns.pop(task.trajectory_id, None)
+            try:
+                self.engine.add_request(request)
+            except EngineError as exc:  # e.g. the conversation outgrew the context
+                log.warning("next turn of %s refused by the engine (%s): it ends here",
+                            task.trajectory_id, exc)
+                self.counters["turn_refused"] += 1
+                self._score(task, self.conversations.end(task.trajectory_id))
+                continue
+            self._tasks[task.trajectory_id] = task
+        for task, completed in done:
+            self._between_turns.pop(task.trajectory_id, None)
+            self._score(task, completed)
+
+    def _score(self, task: PromptTask, completed: Completed) -> None:
+        self._scoring[task.trajectory_id] = (task, completed)
         prompt = [dict(m) for m in task.messages] if task.messages else task.prompt
-        self.rewards.submit(task.trajectory_id, prompt, text, task.metadata)
+        self.rewards.submit(task.trajectory_id, prompt, completed.text, task.metadata)
 
     def _collect_rewards(self) -> None:
         for tid, reward, error in self.rewards.poll():
@@ -447,7 +507,7 @@ class WorkerService(Service):
             if entry is None:  # dropped meanwhile (a rejoin cannot drop these; defensive)
                 log.warning("reward for %s arrived but the trajectory is gone", tid)
                 continue
-            task, out, text = entry
+            task, out = entry
             if error is not None:
                 self.counters["reward_errors"] += 1
                 log.warning("reward function failed on %s: %s", tid, error)
@@ -455,12 +515,14 @@ class WorkerService(Service):
                 trajectory_id=task.trajectory_id, prompt_id=task.prompt_id,
                 group_size=task.group_size, sample_index=task.sample_index,
                 worker_id=self.worker_id, policy_version=out.policy_version,
-                prompt_token_ids=tuple(out.prompt_token_ids),
-                response_token_ids=tuple(out.token_ids), behaviour_logprobs=tuple(out.logprobs),
-                reward=reward, finish_reason=out.finish_reason, reward_error=error,
-                completion=text, simulated=out.simulated, group_seq=task.group_seq,
-                settled_below=task.settled_below, sampling=task.sampling,
-                data_source=_data_source(task),
+                prompt_token_ids=out.prompt_token_ids,
+                response_token_ids=out.response_token_ids,
+                behaviour_logprobs=out.behaviour_logprobs,
+                reward=reward + out.env_reward, finish_reason=out.finish_reason,
+                reward_error=error, completion=out.completion, simulated=out.simulated,
+                group_seq=task.group_seq, settled_below=task.settled_below,
+                sampling=task.sampling, data_source=_data_source(task),
+                observation_spans=out.observation_spans,
             )
             self.outbox[traj.trajectory_id] = traj
             self._done_since_report.append(traj.trajectory_id)
@@ -481,9 +543,13 @@ class WorkerService(Service):
                         traj.trajectory_id, exc)
 
     def _export(self, ids: Iterable[str]) -> None:
-        wanted = [t for t in ids if t in self._tasks]
+        # A conversation past its first turn carries tool results: it stays here.
+        wanted = [t for t in ids if t in self._tasks and
+                  not (self.conversations is not None and self.conversations.pinned(t))]
         for req in self.engine.export(wanted):
             task = self._tasks.pop(req.request_id)
+            if self.conversations is not None:
+                self.conversations.drop(req.request_id)
             self.manager.send(msgspec.structs.replace(
                 task, prompt_token_ids=tuple(req.prompt_token_ids),
                 resume_token_ids=tuple(req.resume_token_ids),
@@ -529,11 +595,13 @@ class WorkerService(Service):
             active=load.active, queued=load.queued + len(self._fresh),
             max_batch=0 if full else load.max_batch, kv_used_tokens=load.kv_used_tokens,
             kv_capacity_tokens=load.kv_capacity_tokens,
-            holding=tuple(self._tasks) + tuple(self._scoring),
+            holding=tuple(self._tasks) + tuple(self._scoring) + tuple(self._between_turns),
             done=tuple(self._done_since_report),
         ))
         self._done_since_report = []
         for p in self.engine.progress():
+            if self.conversations is not None and self.conversations.pinned(p.request_id):
+                continue  # tool results in it: it is generated again if this worker dies
             self.manager.send(PartialProgress(
                 trajectory_id=p.request_id, worker_id=self.worker_id,
                 policy_version=p.policy_version, token_ids=tuple(p.token_ids),

@@ -1,0 +1,180 @@
+"""Multi-turn trajectories on a worker: turns through a real engine (simulated tokens or
+scripted text), environment steps off the loop, tool results appended as masked spans."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from laminar_common.codec import PromptTask, SamplingSpec, Trajectory
+from laminar_common.consume.validation import check_trajectory
+from laminar_rollout.conversations import Completed, Conversations, make_conversations
+from laminar_rollout.engines import LogNormalLengths, ManualClock, SimulatedEngine
+from laminar_rollout.environments import (
+    SimulatedToolEnvironment,
+    ToolEnvironment,
+    TurnLimits,
+)
+from laminar_rollout.sandbox import CodeSandbox, SandboxLimits
+from laminar_rollout.tokenizer import ByteTokenizer
+from laminar_rollout.tools import PythonTool
+
+SHORT = LogNormalLengths(median=8, tail_ratio=2, max_length=16)
+"""Turns that end on their stop token within the tests' per-turn budgets."""
+
+
+def _task(tid: str = "p0#0") -> PromptTask:
+    return PromptTask(trajectory_id=tid, prompt_id=tid.split("#")[0], group_size=1,
+                      sample_index=0, prompt="what is 6*7?",
+                      messages=({"role": "user", "content": "what is 6*7?"},),
+                      sampling=SamplingSpec(max_tokens=64))
+
+
+def _run(conv: Conversations, engine, task: PromptTask, timeout_s: float = 20) -> Completed:
+    """Drive one trajectory to its end as the worker's loop does."""
+    ids, turn_tokens = conv.begin(task)
+    from laminar_rollout.engines import GenerationRequest, SamplingParams
+
+    engine.add_request(GenerationRequest(
+        request_id=task.trajectory_id, prompt_token_ids=ids,
+        params=SamplingParams(max_tokens=turn_tokens, stop_token_ids=(0,))))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for out in engine.step() if engine.has_unfinished() else []:
+            done = conv.turn_ended(out)
+            if done is not None:
+                return done
+        turns, finished = conv.poll()
+        for _, request in turns:
+            engine.add_request(request)
+        if finished:
+            return finished[0][1]
+        time.sleep(0.001)
+    raise AssertionError("the conversation did not end in time")
+
+
+def _as_trajectory(task: PromptTask, done: Completed) -> Trajectory:
+    return Trajectory(
+        trajectory_id=task.trajectory_id, prompt_id=task.prompt_id, group_size=1,
+        sample_index=0, worker_id="w", policy_version=done.policy_version,
+        prompt_token_ids=done.prompt_token_ids, response_token_ids=done.response_token_ids,
+        behaviour_logprobs=done.behaviour_logprobs, reward=1.0, finish_reason=done.finish_reason,
+        observation_spans=done.observation_spans)
+
+
+def test_simulated_tool_turns_append_masked_observations_and_stay_trainable():
+    tok = ByteTokenizer()
+    limits = TurnLimits(max_turns=5, max_tokens_per_turn=24, max_total_tokens=600)
+    conv = Conversations(tok, lambda rec: SimulatedToolEnvironment(
+        rec, limits, median_s=0.001, tail_ratio=10, tool_turns=2), limits, workers=2)
+    engine = SimulatedEngine(max_batch=4, vocab_size=200, eos_token_id=0, seed=3,
+                             clock=ManualClock(), lengths=SHORT)
+    task = _task()
+    done = _run(conv, engine, task)
+    assert done.turns == 3 and len(done.observation_spans) == 2
+    assert not conv.busy and conv.waiting() == []
+    for i, (start, end) in enumerate(done.observation_spans, 1):
+        text = bytes(t - tok.OFFSET for t in done.response_token_ids[start:end]).decode()
+        assert text.startswith(f"\n<|im_start|>tool\nresult {i} after ")
+        assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert done.response_token_ids[start - 1] == 0  # the model's stop token precedes it
+    traj = _as_trajectory(task, done)
+    assert len(done.behaviour_logprobs) == traj.generated_tokens
+    assert check_trajectory(traj, vocab_size=300) is None
+    assert done.policy_version == 0 and done.finish_reason == "stop"
+
+
+def test_the_total_token_budget_ends_a_conversation_as_length():
+    tok = ByteTokenizer()
+    limits = TurnLimits(max_turns=8, max_tokens_per_turn=16, max_total_tokens=90)
+    conv = Conversations(tok, lambda rec: SimulatedToolEnvironment(
+        rec, limits, median_s=0.0, tail_ratio=1, tool_turns=6), limits)
+    engine = SimulatedEngine(max_batch=2, vocab_size=200, eos_token_id=0, seed=1,
+                             clock=ManualClock(), lengths=SHORT)
+    done = _run(conv, engine, _task())
+    assert done.finish_reason == "length"
+    assert len(done.response_token_ids) <= 90
+    assert check_trajectory(_as_trajectory(_task(), done), vocab_size=300) is None
+
+
+class ScriptedEngine(SimulatedEngine):
+    """Writes a fixed text per turn (ByteTokenizer ids), then the stop token."""
+
+    def __init__(self, turns: list[str]) -> None:
+        super().__init__(max_batch=2, vocab_size=300, eos_token_id=0, clock=ManualClock())
+        self.turns = [ByteTokenizer().encode(t)[1:] for t in turns]
+
+    def _emit(self, seq) -> None:
+        turn = sum(1 for t in seq.request.resume_token_ids if t == 0)  # stops so far
+        script = self.turns[min(turn, len(self.turns) - 1)]
+        i = len(seq.token_ids) - len(seq.request.resume_token_ids)
+        seq.token_ids.append(script[i] if i < len(script) else 0)
+        seq.logprobs.append(-0.5)
+
+
+def test_a_hermes_tool_call_runs_in_the_sandbox_and_the_answer_comes_back():
+    tok = ByteTokenizer()
+    limits = TurnLimits(max_turns=3, max_tokens_per_turn=200, max_total_tokens=1000)
+    pool = ThreadPoolExecutor(2)
+    python = PythonTool(CodeSandbox(SandboxLimits(wall_s=5)))
+    conv = Conversations(tok, lambda rec: ToolEnvironment(rec, limits, {"python": python}, pool),
+                         limits)
+    engine = ScriptedEngine([
+        '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>',
+        "The answer is 42."])
+    task = _task()
+    done = _run(conv, engine, task)
+    pool.shutdown()
+    [(start, end)] = done.observation_spans
+    observed = bytes(t - tok.OFFSET for t in done.response_token_ids[start:end]).decode()
+    assert observed == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert done.text == "The answer is 42." and done.turns == 2
+    assert "<tool_call>" in done.completion and done.completion.endswith("The answer is 42.")
+    assert len(done.behaviour_logprobs) == len(done.response_token_ids) - (end - start)
+    assert check_trajectory(_as_trajectory(task, done), vocab_size=300) is None
+
+
+def test_make_conversations_builds_the_configured_environment():
+    from laminar_common.errors import ConfigError
+    from laminar_rollout.config import EnvironmentConfig
+
+    conv = make_conversations(EnvironmentConfig(type="simulated", options={"median_s": 0.0}),
+                              ByteTokenizer())
+    ids, turn_tokens = conv.begin(_task())
+    assert ids[0] == 1 and turn_tokens == 256
+    conv.close()
+    import pytest
+
+    with pytest.raises(ConfigError, match="unknown tool 'shell'"):
+        make_conversations(EnvironmentConfig(tools=("shell",)), ByteTokenizer())
+
+
+def test_a_conversation_is_pinned_to_its_worker_once_tool_results_are_in_it():
+    tok = ByteTokenizer()
+    limits = TurnLimits(max_turns=4, max_tokens_per_turn=24)
+    conv = Conversations(tok, lambda rec: SimulatedToolEnvironment(
+        rec, limits, median_s=0.0, tail_ratio=1, tool_turns=1), limits)
+    engine = SimulatedEngine(max_batch=2, vocab_size=200, eos_token_id=0, clock=ManualClock(),
+                             lengths=SHORT)
+    task = _task()
+    ids, turn_tokens = conv.begin(task)
+    from laminar_rollout.engines import GenerationRequest, SamplingParams
+
+    engine.add_request(GenerationRequest(request_id=task.trajectory_id, prompt_token_ids=ids,
+                                         params=SamplingParams(max_tokens=turn_tokens)))
+    assert not conv.pinned(task.trajectory_id)  # first turn: may move, as any trajectory
+    outs = []
+    while not outs:
+        outs = engine.step()
+    assert conv.turn_ended(outs[0]) is None
+    assert conv.busy and conv.waiting() == [task.trajectory_id]
+    deadline = time.monotonic() + 10
+    turns = []
+    while not turns and time.monotonic() < deadline:
+        turns, _ = conv.poll()
+    [(_, request)] = turns
+    assert conv.pinned(task.trajectory_id) and conv.waiting() == []
+    assert request.policy_version == 0 and len(request.resume_logprobs) == \
+        len(request.resume_token_ids)
+    conv.drop(task.trajectory_id)
+    assert not conv.busy
