@@ -9,6 +9,12 @@ lengths with p99/median = 10) and the training step (the trainer sleeps
 relay). Everything else (dispatch, weight pulls, repack, buffering, acks) is
 the production code path.
 
+``--workload tool`` makes every trajectory multi-turn: each of its first
+``--tool-turns`` turns ends in a tool call whose latency is drawn from a
+log-normal distribution (``--tool-median-s``, p99 = ``--tool-tail`` x median;
+SIMULATED too: the environment sleeps, no sandbox runs), so the long tail of
+a trajectory is generation plus tool waits, as in agentic RL.
+
 Printed per mode: training throughput (trajectory tokens consumed per
 second), rollout busy fraction, staleness p50/p99/max, trainer idle fraction,
 weight-wait per rollout; then the ratios laminar/sync and laminar/one-step.
@@ -16,6 +22,7 @@ Saves a per-worker timeline (busy / idle / weight load) and a throughput bar
 chart as PNG.
 
     python tools/bench_modes.py --workers 4 --steps 12
+    python tools/bench_modes.py --workload tool --tool-median-s 0.2 --tool-tail 10
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ def make_job(mode: str, root: Path, args: argparse.Namespace) -> JobFile:
                                              "step_time_base": args.step_a,
                                              "step_time_per_seq": args.step_b},
                                   "report_interval_s": 0.1,
-                                  "stats_path": str(run / "{name}.stats.json")}},
+                                  "stats_path": str(run / "{name}.stats.json"),
+                                  **_environment(args)}},
             "trainer": {"command": ["laminar-trainer", "run"],
                         "config": {"trainer_id": "trainer",
                                    "simulate": {"step_s": args.step_s,
@@ -74,6 +82,19 @@ def make_job(mode: str, root: Path, args: argparse.Namespace) -> JobFile:
         "wait_for": "trainer",
         "timeout_s": args.timeout,
     })
+
+
+def _environment(args: argparse.Namespace) -> dict:
+    """The workers' ``environment`` config of ``--workload tool`` ({} for single turns)."""
+    if args.workload != "tool":
+        return {}
+    return {"environment": {
+        "type": "simulated", "max_turns": args.tool_turns + 1,
+        "max_tokens_per_turn": args.max_length,
+        "max_total_tokens": (args.tool_turns + 1) * args.max_length + 64 * args.tool_turns,
+        "tool_timeout_s": 60.0, "workers": args.max_batch,
+        "options": {"median_s": args.tool_median_s, "tail_ratio": args.tool_tail,
+                    "tool_turns": args.tool_turns}}}
 
 
 def percentile(hist: dict[int, int], q: float) -> int:
@@ -141,12 +162,23 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     p.add_argument("--out", default="runs/bench_modes", help="output directory")
     p.add_argument("--timeout", type=float, default=600, help="per-mode time limit (s)")
+    p.add_argument("--workload", choices=("single", "tool"), default="single",
+                   help="single-turn completions, or multi-turn with simulated tool calls")
+    p.add_argument("--tool-turns", type=int, default=2, help="tool calls per trajectory (tool)")
+    p.add_argument("--tool-median-s", type=float, default=0.2,
+                   help="median tool latency in seconds (tool)")
+    p.add_argument("--tool-tail", type=float, default=10.0,
+                   help="tool latency p99 / median (tool)")
     args = p.parse_args()
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
     write_jsonl(root / "prompts.jsonl", make_task_records("sort", 5000, 0))
     print("SIMULATED: engine (decode a + b*batch, long-tail lengths p99/median=10) and "
           "training step (sleep); real etcd, relay, manager, workers, trainer processes.")
+    if args.workload == "tool":
+        print(f"SIMULATED tool calls: {args.tool_turns} a trajectory, latency log-normal with "
+              f"median {args.tool_median_s}s and p99/median {args.tool_tail} (the "
+              "environment sleeps; no sandbox runs)")
     results = []
     for mode in args.modes.split(","):
         t = time.monotonic()
