@@ -178,3 +178,113 @@ def test_a_conversation_is_pinned_to_its_worker_once_tool_results_are_in_it():
         len(request.resume_token_ids)
     conv.drop(task.trajectory_id)
     assert not conv.busy
+
+
+def _drive(conv: Conversations, engine, task: PromptTask, request, timeout_s: float = 60,
+           stop_after_turn2_tokens: int | None = None):
+    """Run ``request`` (and the next turns) on ``engine``; with ``stop_after_turn2_tokens``,
+    return the engine's export of the trajectory once that many tokens of its second turn
+    exist, instead of finishing it."""
+    import msgspec
+
+    engine.add_request(request)
+    deadline = time.monotonic() + timeout_s
+    turn2_start = None
+    while time.monotonic() < deadline:
+        for out in engine.step() if engine.has_unfinished() else []:
+            done = conv.turn_ended(out)
+            if done is not None:
+                return done
+        if stop_after_turn2_tokens is not None and turn2_start is not None:
+            [p] = engine.progress() or [None]
+            if p is not None and len(p.token_ids) - turn2_start >= stop_after_turn2_tokens:
+                [req] = engine.export([task.trajectory_id])
+                state = conv.export_state(task.trajectory_id, replayable=True)
+                return msgspec.structs.replace(
+                    task, prompt_token_ids=tuple(req.prompt_token_ids),
+                    resume_token_ids=tuple(req.resume_token_ids),
+                    resume_logprobs=tuple(req.resume_logprobs),
+                    policy_version=req.policy_version, conversation=state)
+        turns, finished = conv.poll()
+        for _, nxt in turns:
+            turn2_start = len(nxt.resume_token_ids)
+            engine.add_request(nxt)
+        if finished:
+            return finished[0][1]
+    raise AssertionError("the conversation did not end in time")
+
+
+def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_not_moved():
+    """Worker A's torch engine runs turn 1 and part of turn 2 (after a tool result); the
+    trajectory is exported with its conversation state and worker B's torch engine (same
+    weights, same version) finishes it: tokens, log-probs, spans and turns equal a run
+    that never moved (seeded sampling), and no tool call ran twice."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from laminar_rollout.engines import GenerationRequest, SamplingParams, TorchEngine
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False)).eval()
+    tok = ByteTokenizer()
+    limits = TurnLimits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=400)
+    steps = []
+
+    def env(rec):
+        e = SimulatedToolEnvironment(rec, limits, median_s=0.0, tail_ratio=1, tool_turns=1)
+        original = e.respond
+
+        def counted(text):
+            steps.append(rec["id"])
+            return original(text)
+
+        e.respond = counted
+        return e
+
+    stops = tuple(range(200, 259))  # about 1 token in 5 ends a turn
+
+    def request(conv, task):
+        ids, max_tokens = conv.begin(task)
+        return GenerationRequest(
+            request_id=task.trajectory_id, prompt_token_ids=ids,
+            resume_token_ids=list(task.resume_token_ids),
+            resume_logprobs=list(task.resume_logprobs),
+            policy_version=task.policy_version if task.resume_token_ids else None,
+            params=SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, seed=task.sampling.seed))
+
+    for seed in range(40):  # a seed whose second turn is long enough to be cut midway
+        task = PromptTask(trajectory_id=f"p{seed}#0", prompt_id=f"p{seed}", group_size=1,
+                          sample_index=0, prompt="x",
+                          messages=({"role": "user", "content": "compute"},),
+                          sampling=SamplingSpec(stop_token_ids=stops, seed=seed))
+        ref_conv = Conversations(tok, env, limits)
+        reference = _drive(ref_conv, TorchEngine(model, max_batch=2, eos_token_ids=()), task,
+                           request(ref_conv, task))
+        spans = reference.observation_spans
+        if len(spans) == 1 and reference.turns == 2 and \
+                len(reference.response_token_ids) - spans[0][1] >= 4 and \
+                reference.finish_reason == "stop":
+            break
+    else:
+        raise AssertionError("no seed gave a second turn of 4+ tokens")
+    steps.clear()
+
+    conv_a = Conversations(tok, env, limits)
+    moved = _drive(conv_a, TorchEngine(model, max_batch=2, eos_token_ids=()), task,
+                   request(conv_a, task), stop_after_turn2_tokens=2)
+    assert isinstance(moved, PromptTask) and moved.conversation is not None
+    assert moved.conversation.observation_spans == spans and moved.conversation.turns == 2
+    assert not conv_a.busy  # forgotten on A
+    conv_b = Conversations(tok, env, limits)
+    done = _drive(conv_b, TorchEngine(model, max_batch=2, eos_token_ids=(), seed=123), moved,
+                  request(conv_b, moved))
+    assert done.response_token_ids == reference.response_token_ids
+    assert done.observation_spans == reference.observation_spans
+    assert torch.allclose(torch.tensor(done.behaviour_logprobs),
+                          torch.tensor(reference.behaviour_logprobs), atol=1e-5)
+    assert (done.turns, done.text, done.finish_reason) == \
+        (reference.turns, reference.text, reference.finish_reason)
+    assert steps == [task.trajectory_id, task.trajectory_id]  # one tool call on A, the final on B

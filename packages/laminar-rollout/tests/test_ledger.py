@@ -98,6 +98,35 @@ def test_export_and_specific_placement():
     assert led.held_by("w2") == ["p0#0"]
 
 
+def test_an_exported_conversation_travels_with_its_tokens_and_a_lost_one_follows_replayable():
+    from laminar_common.codec import ConversationState, PromptTask
+
+    led = _ledger(2, 1)
+    state = ConversationState(observation_spans=((2, 4),), messages=({"role": "user",
+                                                                     "content": "q"},),
+                              env_state={"turns": 1}, turns=2)
+    for replayable in (True, False):
+        task = led.take_pending("w1", 1, 1)[0]
+        led.requeue_exported(PromptTask(
+            trajectory_id=task.trajectory_id, prompt_id=task.prompt_id, group_size=1,
+            sample_index=0, prompt="q", resume_token_ids=(7, 8, 9, 9, 5),
+            resume_logprobs=(-0.1, -0.2, 0.0, 0.0, -0.3), policy_version=1,
+            conversation=ConversationState(**{**{f: getattr(state, f) for f in
+                                                 state.__struct_fields__},
+                                              "replayable": replayable})), "w1")
+        moved = led.take_specific(task.trajectory_id, "w2", version=1)
+        assert moved.conversation.observation_spans == ((2, 4),)
+        assert moved.conversation.replayable is replayable
+        # A partial from the new holder cannot replace the exported tokens-and-state pair.
+        led.record_partial(task.trajectory_id, "w2", 1, (1,) * 9, (-0.1,) * 9)
+        assert led.entries[task.trajectory_id].partial_tokens == (7, 8, 9, 9, 5)
+    resumable, again = led.worker_lost("w2")
+    # The replayable one resumes where it was exported; the other starts afresh.
+    assert resumable == ["p0#0"] and again == ["p1#0"]
+    assert led.entries["p1#0"].partial_conversation is None
+    assert led.entries["p1#0"].partial_tokens == ()
+
+
 def test_rejected_is_final():
     led = _ledger(1, 1)
     led.take_pending("w1", 0, 1)

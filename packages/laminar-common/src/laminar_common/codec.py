@@ -32,6 +32,7 @@ __all__ = [
     "Refused",
     "SamplingSpec",
     "PromptTask",
+    "ConversationState",
     "Trajectory",
     "PartialProgress",
     "Ack",
@@ -53,7 +54,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 7
 """7: :class:`Trajectory` carries ``observation_spans`` (multi-turn: the response tokens an
-environment added, never trained on; behaviour log-probs cover only the generated ones).
+environment added, never trained on; behaviour log-probs cover only the generated ones);
+a migrated :class:`PromptTask` carries its :class:`ConversationState`.
 6: member records carry ``host_id`` (same-host decisions compare it, not host
 names) and a relay's fetch reply names its host id. 5: :class:`Trajectory` carries its task's ``data_source`` (the dataset it came
 from, for per-source metrics); adds :class:`GroupsFiltered` (trainer -> manager,
@@ -107,6 +109,25 @@ class SamplingSpec(_Msg, tag="sampling"):
     seed: int | None = None
 
 
+class ConversationState(_Msg, tag="conversation"):
+    """Where a multi-turn trajectory stood when it left a worker (repack or recovery):
+    enough for another worker of the same version to continue it."""
+
+    observation_spans: tuple[tuple[int, int], ...]
+    """Ranges of the resumed tokens the environment added (as on :class:`Trajectory`)."""
+    messages: tuple[dict[str, Any], ...]
+    """The conversation so far, as chat messages (for rendering the next tool results)."""
+    env_state: dict[str, Any] = {}
+    """The environment's ``state()`` (JSON), restored on the next worker."""
+    env_reward: float = 0.0
+    """Per-turn environment rewards so far."""
+    turns: int = 0
+    """Assistant turns generated so far (the current one included if it had begun)."""
+    replayable: bool = True
+    """Whether running its tool calls again is harmless; if not, a trajectory lost with
+    its worker is generated again from its first turn, never resumed."""
+
+
 class PromptTask(_Msg, tag="prompt"):
     """One trajectory to generate (one sample of a GRPO group).
 
@@ -140,6 +161,9 @@ class PromptTask(_Msg, tag="prompt"):
     policy_version: int = -1
     group_seq: int = -1
     settled_below: int = -1
+    conversation: ConversationState | None = None
+    """A multi-turn trajectory past its first turn: the resumed tokens hold tool results
+    (see :class:`ConversationState`); None for a single turn or a first turn."""
 
 
 class Trajectory(_Msg, tag="trajectory"):

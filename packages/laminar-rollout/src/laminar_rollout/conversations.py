@@ -19,10 +19,16 @@ every turn.
 
 Invariants: ``observation_spans`` are in order, disjoint and never at the
 response's start; ``behaviour_logprobs`` holds one value per generated token.
-A trajectory past its first turn carries environment tokens in its resumed
-request, so it is neither exported for repack nor reported as partial
-progress (:meth:`Conversations.pinned`): it finishes on this worker, or is
-generated again from its first turn if the worker dies.
+
+Moving: a trajectory whose request is in the engine may be exported (repack);
+past its first turn it leaves with a
+:class:`~laminar_common.codec.ConversationState` (spans, messages, the
+environment's ``state()``, rewards so far) and another worker of the same
+version continues it (:meth:`Conversations.begin`) — no tool call is run again.
+One waiting on its environment is never exported. A trajectory past its first
+turn sends no partial progress (:meth:`Conversations.pinned`): lost with its
+worker, it resumes from its last export, or is generated again from its first
+turn.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from laminar_common.codec import PromptTask
+from laminar_common.codec import ConversationState, PromptTask
 from laminar_common.errors import ConfigError
 
 from .engines import GenerationOutput, GenerationRequest, SamplingParams
@@ -89,6 +95,8 @@ class _Conversation:
     pending: Future[EnvStep] | None = None
     stop_id: int | None = None
     turns: int = 0
+    turn_start: int = 0
+    """Where the current turn's tokens begin in ``response``."""
 
 
 class Conversations:
@@ -129,40 +137,77 @@ class Conversations:
     # -- the turns -------------------------------------------------------------
 
     def begin(self, task: PromptTask) -> tuple[list[int], int]:
-        """A trajectory's environment and prompt: ``(prompt ids, max tokens of its first
-        turn)``. A resumed first turn (a migrated partial) starts a fresh environment.
+        """A trajectory's environment and prompt: ``(prompt ids, max tokens for the
+        request``, resumed tokens included). A resumed first turn starts a fresh
+        environment; a migrated conversation (``task.conversation``) restores its
+        environment's state, messages, spans and log-probs and continues its turn.
 
         Raises:
-            ConfigError: the environment cannot be built for this record.
+            ConfigError: the environment cannot be built for this record, or a migrated
+                conversation's spans do not fit its tokens.
         """
         record = {"prompt": task.prompt, "messages": [dict(m) for m in task.messages],
                   "metadata": dict(task.metadata), "id": task.trajectory_id}
         env = self.make_env(record)
         messages = env.reset()
         tools = env.tools()
-        # A migrated first turn keeps the prompt ids its tokens were generated after.
+        # A migrated trajectory keeps the prompt ids its tokens were generated after.
         ids = list(task.prompt_token_ids) or \
             self.tokenizer.encode_prompt(messages, tools=tools or None)
-        self._convs[task.trajectory_id] = _Conversation(task, env, messages, tools, ids)
-        return ids, min(self.limits.max_tokens_per_turn, self.limits.max_total_tokens)
+        conv = _Conversation(task, env, messages, tools, ids)
+        state = task.conversation
+        if state is not None:
+            env.restore(state.env_state)
+            conv.messages = [dict(m) for m in state.messages]
+            conv.spans = [tuple(span) for span in state.observation_spans]
+            conv.response = list(task.resume_token_ids)
+            observed = _observed(conv.spans, len(conv.response))
+            if observed is None or len(task.resume_logprobs) != len(conv.response):
+                raise ConfigError(f"{task.trajectory_id}: its conversation's observation "
+                                  f"spans {state.observation_spans} do not fit its "
+                                  f"{len(conv.response)} resumed tokens")
+            conv.logprobs = [lp for i, lp in enumerate(task.resume_logprobs)
+                             if i not in observed]
+            conv.env_reward, conv.turns = state.env_reward, state.turns - 1
+            conv.turn_start = conv.spans[-1][1] if conv.spans else 0
+            conv.policy_version = task.policy_version
+        elif task.resume_token_ids:  # a first turn that moved: its tokens so far
+            conv.response = list(task.resume_token_ids)
+            conv.logprobs = list(task.resume_logprobs)
+            conv.policy_version = task.policy_version
+        self._convs[task.trajectory_id] = conv
+        budget = min(self.limits.max_tokens_per_turn - (len(conv.response) - conv.turn_start),
+                     self.limits.max_total_tokens - len(conv.response))
+        return ids, len(conv.response) + max(1, budget)
+
+    def export_state(self, trajectory_id: str, replayable: bool) -> ConversationState | None:
+        """The state a trajectory leaves with when its request is exported (None before its
+        first tool result: it moves as a plain resumed request); forgets it here."""
+        conv = self._convs.pop(trajectory_id, None)
+        if conv is None or not conv.spans:
+            return None
+        return ConversationState(
+            observation_spans=tuple(conv.spans), messages=tuple(conv.messages),
+            env_state=conv.env.state(), env_reward=conv.env_reward, turns=conv.turns + 1,
+            replayable=replayable and conv.env.replayable)
 
     def turn_ended(self, out: GenerationOutput) -> Completed | None:
         """A turn came back from the engine: the trajectory's :class:`Completed` if the
         conversation is over, else None (its environment step is running)."""
         conv = self._convs[out.request_id]
-        new = list(out.token_ids[len(conv.response):])
         conv.logprobs.extend(out.logprobs[len(conv.response):])
-        conv.response.extend(new)
+        conv.response.extend(out.token_ids[len(conv.response):])
         conv.policy_version = out.policy_version
         conv.simulated = out.simulated
-        conv.last_text = self.tokenizer.decode(new)
+        turn = conv.response[conv.turn_start:]  # (a migrated turn began on another worker)
+        conv.last_text = self.tokenizer.decode(turn)
         conv.messages.append({"role": "assistant", "content": conv.last_text})
         conv.turns += 1
         self.counters["turns"] += 1
-        stopped = out.finish_reason == "stop" and new and new[-1] in self._stops(conv)
+        stopped = out.finish_reason == "stop" and turn and turn[-1] in self._stops(conv)
         if not stopped or len(conv.response) >= self.limits.max_total_tokens:
             return self._complete(out.request_id, "length" if not stopped else "stop")
-        conv.stop_id = new[-1]
+        conv.stop_id = turn[-1]
         conv.pending = self._pool.submit(conv.env.step, conv.last_text)
         return None
 
@@ -233,6 +278,7 @@ class Conversations:
             return None
         conv.spans.append((start, start + len(obs_ids)))
         conv.response.extend(obs_ids)
+        conv.turn_start = len(conv.response)
         conv.messages = [*history, *(dict(m) for m in observations)]
         s = conv.task.sampling
         params = SamplingParams(
@@ -249,15 +295,9 @@ class Conversations:
     def _resume_logprobs(conv: _Conversation) -> list[float]:
         """A value per response token for the engine (0.0 for environment tokens; the
         trajectory keeps only the generated ones)."""
-        out = [0.0] * len(conv.response)
+        observed = _observed(conv.spans, len(conv.response)) or set()
         generated = iter(conv.logprobs)
-        observed = set()
-        for start, end in conv.spans:
-            observed.update(range(start, end))
-        for i in range(len(conv.response)):
-            if i not in observed:
-                out[i] = next(generated)
-        return out
+        return [0.0 if i in observed else next(generated) for i in range(len(conv.response))]
 
     def _complete(self, tid: str, finish: str) -> Completed:
         conv = self._convs.pop(tid)
@@ -301,3 +341,15 @@ def make_conversations(config: Any, tokenizer: Tokenizer) -> Conversations:
     conversations = Conversations(tokenizer, lambda record: cls(record, limits, **kwargs),
                                   limits, workers=config.workers)
     return conversations
+
+
+def _observed(spans, n: int) -> set[int] | None:
+    """Positions inside ``spans`` (None: they are not ordered, disjoint ranges of ``n``)."""
+    out: set[int] = set()
+    end_before = 0
+    for start, end in spans:
+        if not end_before <= start < end <= n:
+            return None
+        out.update(range(start, end))
+        end_before = end
+    return out

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from laminar_common.codec import PromptTask, SamplingSpec
+from laminar_common.codec import ConversationState, PromptTask, SamplingSpec
 from laminar_common.data.records import Record
 
 __all__ = ["TrajectoryLedger", "Entry", "PENDING", "DISPATCHED", "DONE", "ACKED", "REJECTED"]
@@ -60,6 +60,8 @@ class Entry:
     partial_tokens: tuple[int, ...] = ()
     partial_logprobs: tuple[float, ...] = ()
     partial_version: int = -1
+    partial_conversation: ConversationState | None = None
+    """A multi-turn trajectory's state at its export (its tokens hold tool results)."""
     reason: str = ""
 
 
@@ -262,7 +264,8 @@ class TrajectoryLedger:
         if entry is None or entry.state != DISPATCHED or entry.worker != worker:
             self.counters.stale_reports += 1
             return False
-        if len(tokens) >= len(entry.partial_tokens):
+        if entry.partial_conversation is None and len(tokens) >= len(entry.partial_tokens):
+            # (an exported conversation keeps its consistent tokens-and-state pair)
             entry.partial_tokens, entry.partial_logprobs = tokens, logprobs
             entry.partial_version = version
         return True
@@ -361,6 +364,7 @@ class TrajectoryLedger:
         entry.partial_tokens = tuple(task.resume_token_ids)
         entry.partial_logprobs = tuple(task.resume_logprobs)
         entry.partial_version = task.policy_version if task.resume_token_ids else -1
+        entry.partial_conversation = task.conversation if task.resume_token_ids else None
         self._move(entry, PENDING)
         entry.worker = None
         self._pending.appendleft(task.trajectory_id)
@@ -381,9 +385,13 @@ class TrajectoryLedger:
             if entry.state == DONE:
                 _clear_partial(entry)
                 again.append(tid)
-            elif entry.partial_tokens:
+            elif entry.partial_tokens and (entry.partial_conversation is None
+                                           or entry.partial_conversation.replayable):
                 resumable.append(tid)
             else:
+                # A conversation whose tool calls must not run again starts afresh (a new
+                # environment), never from a state its lost worker went past.
+                _clear_partial(entry)
                 again.append(tid)
             self._move(entry, PENDING)
             entry.worker = None
@@ -493,8 +501,10 @@ class TrajectoryLedger:
 def _with_resume(task: PromptTask, entry: Entry) -> PromptTask:
     return msgspec.structs.replace(task, resume_token_ids=entry.partial_tokens,
                                    resume_logprobs=entry.partial_logprobs,
-                                   policy_version=entry.partial_version)
+                                   policy_version=entry.partial_version,
+                                   conversation=entry.partial_conversation)
 
 
 def _clear_partial(entry: Entry) -> None:
     entry.partial_tokens, entry.partial_logprobs, entry.partial_version = (), (), -1
+    entry.partial_conversation = None

@@ -435,8 +435,7 @@ class WorkerService(Service):
         try:
             max_tokens = s.max_tokens
             if self.conversations is not None:
-                ids, turn_tokens = self.conversations.begin(task)
-                max_tokens = len(task.resume_token_ids) + turn_tokens
+                ids, max_tokens = self.conversations.begin(task)
             else:
                 ids = list(task.prompt_token_ids) or self.tokenizer.encode_prompt(
                     task.messages or task.prompt)
@@ -543,18 +542,20 @@ class WorkerService(Service):
                         traj.trajectory_id, exc)
 
     def _export(self, ids: Iterable[str]) -> None:
-        # A conversation past its first turn carries tool results: it stays here.
-        wanted = [t for t in ids if t in self._tasks and
-                  not (self.conversations is not None and self.conversations.pinned(t))]
+        # Only what the engine holds moves: a conversation waiting on its tool call stays
+        # (its side effects are running here); one between turns in the engine moves
+        # with its conversation state.
+        wanted = [t for t in ids if t in self._tasks]
         for req in self.engine.export(wanted):
             task = self._tasks.pop(req.request_id)
-            if self.conversations is not None:
-                self.conversations.drop(req.request_id)
+            conversation = self.conversations.export_state(req.request_id, replayable=True) \
+                if self.conversations is not None else None
             self.manager.send(msgspec.structs.replace(
                 task, prompt_token_ids=tuple(req.prompt_token_ids),
                 resume_token_ids=tuple(req.resume_token_ids),
                 resume_logprobs=tuple(req.resume_logprobs),
                 policy_version=req.policy_version if req.policy_version is not None else -1,
+                conversation=conversation,
             ))
             self.counters["exported"] += 1
         self._report(force=True)
@@ -611,4 +612,4 @@ class WorkerService(Service):
 
 def _without_resume(task: PromptTask) -> PromptTask:
     return msgspec.structs.replace(task, resume_token_ids=(), resume_logprobs=(),
-                                   policy_version=-1)
+                                   policy_version=-1, conversation=None)
