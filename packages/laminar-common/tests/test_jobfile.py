@@ -72,3 +72,13 @@ def test_ranks_need_a_python_module_command(tmp_path):
     job = load_job(str(path))
     with pytest.raises(ConfigError, match=r"tiers\.t\.ranks: 2 processes .* must be a Laminar"):
         LocalLauncher(job, echo=False)
+
+
+def test_python_in_a_command_is_the_launchers_interpreter(tmp_path):
+    import sys
+
+    from laminar_common.launch.local import _resolve
+
+    assert _resolve(["python", "script.py", "-x"]) == [sys.executable, "script.py", "-x"]
+    assert _resolve(["python3", "-m", "m"]) == [sys.executable, "-m", "m"]
+    assert _resolve(["./run.sh"]) == ["./run.sh"]

@@ -22,6 +22,8 @@ Job file::
 
 Strings may use ``{run_dir}``, ``{job}``, ``{name}`` (tier replica name) and
 ``{index}``. Every tier config gets ``job`` and ``etcd.endpoints`` filled in.
+Laminar's console scripts and ``python`` / ``python3`` in a command (set-up or
+tier) run with the interpreter ``laminar up`` itself runs in.
 
 The embedded etcd follows the tiers' ``auth.dir`` (the one switch): when every
 tier's ``auth.dir`` holds the ``laminar keys --etcd`` files (and the tier sets
@@ -587,9 +589,12 @@ def _torchrun(tier: str, spec: TierSpec, argv: list[str]) -> list[str]:
 
 
 def _resolve(argv: list[str]) -> list[str]:
-    """Run the tiers' console scripts with this interpreter when they are ours."""
+    """Run the tiers' console scripts, and ``python`` / ``python3``, with this interpreter
+    (the environment ``laminar up`` runs in, whatever ``python`` on PATH is)."""
     scripts = {"laminar": "laminar_common.launch.cli", "laminar-relay": "laminar_relay.cli",
                "laminar-rollout": "laminar_rollout.cli", "laminar-trainer": "laminar_trainer.cli"}
     if argv and argv[0] in scripts:
         return [sys.executable, "-m", scripts[argv[0]], *argv[1:]]
+    if argv and argv[0] in ("python", "python3"):
+        return [sys.executable, *argv[1:]]
     return argv
