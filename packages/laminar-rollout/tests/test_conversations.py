@@ -288,3 +288,47 @@ def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_n
     assert (done.turns, done.text, done.finish_reason) == \
         (reference.turns, reference.text, reference.finish_reason)
     assert steps == [task.trajectory_id, task.trajectory_id]  # one tool call on A, the final on B
+
+
+def test_with_kv_reuse_a_turn_prefills_only_its_tool_results_and_samples_the_same():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from laminar_rollout.engines import GenerationRequest, SamplingParams, TorchEngine
+
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False)).eval()
+    tok = ByteTokenizer()
+    limits = TurnLimits(max_turns=4, max_tokens_per_turn=12, max_total_tokens=600)
+    stops = tuple(range(200, 259))
+    runs = {}
+    for reuse in (False, True):
+        conv = Conversations(tok, lambda rec: SimulatedToolEnvironment(
+            rec, limits, median_s=0.0, tail_ratio=1, tool_turns=3), limits, reuse_kv=reuse)
+        engine = TorchEngine(model, max_batch=4, eos_token_ids=())
+        done = []
+        for seed in range(3):
+            task = PromptTask(trajectory_id=f"p{seed}#0", prompt_id=f"p{seed}", group_size=1,
+                              sample_index=0, prompt="x",
+                              messages=({"role": "user", "content": "compute"},),
+                              sampling=SamplingSpec(stop_token_ids=stops, seed=seed))
+            ids, max_tokens = conv.begin(task)
+            done.append(_drive(conv, engine, task, GenerationRequest(
+                request_id=task.trajectory_id, prompt_token_ids=ids, keep_kv=reuse,
+                params=SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, seed=seed))))
+        runs[reuse] = (done, engine.prefilled_tokens, engine.kv_reused_tokens)
+    (plain, plain_prefilled, _), (reused, reused_prefilled, kept) = runs[False], runs[True]
+    assert sum(len(d.observation_spans) for d in plain) >= 3  # several turns happened
+    for a, b in zip(plain, reused):
+        assert a.response_token_ids == b.response_token_ids
+        assert a.observation_spans == b.observation_spans
+        assert torch.allclose(torch.tensor(a.behaviour_logprobs),
+                              torch.tensor(b.behaviour_logprobs), atol=1e-5)
+    # Each next turn takes its cache (all but the turn's last token) instead of prefilling
+    # it; its last token is then fed by the next decode step instead of the prefill.
+    next_turns = sum(len(d.observation_spans) for d in reused)
+    assert kept > 0 and reused_prefilled + kept + next_turns == plain_prefilled
+    assert reused_prefilled < plain_prefilled / 2

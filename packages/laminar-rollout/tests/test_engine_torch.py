@@ -370,7 +370,7 @@ def test_kv_that_does_not_fit_is_refused(model, model64):
     fresh.run_until_done([])  # with its slot stores allocated: the same refusal
     with pytest.raises(EngineError, match=r"kv keys\[0\] is .*this engine caches"):
         fresh.add_request(moved)
-    with pytest.raises(ValueError, match="must cache prompt \\+ resumed tokens but the last"):
+    with pytest.raises(ValueError, match="must cache a prefix of prompt \\+ resumed tokens but the last"):
         GenerationRequest("b", [1, 2], SamplingParams(), [7], [-0.1], 0, kv=moved.kv)
 
 
@@ -487,3 +487,28 @@ def test_in_place_slot_cache_matches_the_teacher_forced_forward_to_1e5(model64):
         assert out.token_ids == greedy_reference(model64, req.prompt_token_ids,
                                                  req.params.max_tokens)
     assert engine.compactions > 0
+
+
+def test_a_next_turn_continues_from_its_cache_and_prefills_only_the_new_tokens(model):
+    """keep_kv hands the finished sequence's cache back; a request whose cache covers only
+    a prefix (the turn so far, not the tool result appended after it) prefills just the
+    rest and samples exactly what a full re-prefill samples."""
+    params = SamplingParams(max_tokens=6, seed=5)
+    first = TorchEngine(model, eos_token_ids=()).run_until_done(
+        [GenerationRequest("t", [3, 4, 5], params, keep_kv=True)])[0]
+    assert first.kv is not None and first.kv.num_tokens == 3 + 6 - 1
+    tool = [11, 12, 13, 14]  # what an environment appends before the next turn
+    resume = [*first.token_ids, *tool]
+    logprobs = [*first.logprobs, *[0.0] * len(tool)]
+    nxt = SamplingParams(max_tokens=len(resume) + 5, seed=9)
+    full = TorchEngine(model, eos_token_ids=())
+    again = full.run_until_done([GenerationRequest("t", [3, 4, 5], nxt, resume, logprobs, 0)])[0]
+    cached = TorchEngine(model, eos_token_ids=())
+    reused = cached.run_until_done([GenerationRequest("t", [3, 4, 5], nxt, resume, logprobs, 0,
+                                                      kv=first.kv)])[0]
+    assert reused.token_ids == again.token_ids
+    assert torch.allclose(torch.tensor(reused.logprobs), torch.tensor(again.logprobs),
+                          atol=1e-5)
+    # Only the stop-less last token of the turn and the tool tokens (but the last) ran.
+    assert cached.prefilled_tokens == len(tool) and cached.kv_reused_tokens == 8
+    assert full.prefilled_tokens == 3 + len(resume)

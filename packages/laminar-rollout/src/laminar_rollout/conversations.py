@@ -42,7 +42,7 @@ from typing import Any
 from laminar_common.codec import ConversationState, PromptTask
 from laminar_common.errors import ConfigError
 
-from .engines import GenerationOutput, GenerationRequest, SamplingParams
+from .engines import GenerationOutput, GenerationRequest, KVState, SamplingParams
 from .environments import Environment, EnvStep, Message, TurnLimits
 from .tokenizer import Tokenizer
 
@@ -97,6 +97,8 @@ class _Conversation:
     turns: int = 0
     turn_start: int = 0
     """Where the current turn's tokens begin in ``response``."""
+    kv: KVState | None = None
+    """The cache the engine handed back at the end of the last turn (next turn's prefix)."""
 
 
 class Conversations:
@@ -107,11 +109,17 @@ class Conversations:
         make_env: builds a trajectory's environment from its record.
         limits: turn limits of every trajectory.
         workers: threads running environment steps.
+        reuse_kv: continue each turn from the previous turn's cache (see
+            :attr:`reuse_kv`); the first turn's request must ask for it too
+            (``keep_kv``).
     """
 
     def __init__(self, tokenizer: Tokenizer, make_env: Callable[[Mapping[str, Any]], Environment],
-                 limits: TurnLimits, workers: int = 4) -> None:
+                 limits: TurnLimits, workers: int = 4, reuse_kv: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.reuse_kv = reuse_kv
+        """Ask the engine for each turn's cache and hand it to the next turn, so only the
+        tool results are prefilled (engines with ``supports_kv_transfer``)."""
         self.make_env = make_env
         self.limits = limits
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="env-step")
@@ -199,6 +207,7 @@ class Conversations:
         conv.response.extend(out.token_ids[len(conv.response):])
         conv.policy_version = out.policy_version
         conv.simulated = out.simulated
+        conv.kv = out.kv
         turn = conv.response[conv.turn_start:]  # (a migrated turn began on another worker)
         conv.last_text = self.tokenizer.decode(turn)
         conv.messages.append({"role": "assistant", "content": conv.last_text})
@@ -286,10 +295,12 @@ class Conversations:
             max_tokens=len(conv.response) + min(self.limits.max_tokens_per_turn, room),
             stop_token_ids=tuple(s.stop_token_ids) or tuple(self.tokenizer.eos_token_ids),
             seed=s.seed)
+        kv, conv.kv = conv.kv, None
         return GenerationRequest(
             request_id=tid, prompt_token_ids=list(conv.prompt_ids), params=params,
             resume_token_ids=list(conv.response),
-            resume_logprobs=self._resume_logprobs(conv), policy_version=conv.policy_version)
+            resume_logprobs=self._resume_logprobs(conv), policy_version=conv.policy_version,
+            kv=kv, keep_kv=self.reuse_kv)
 
     @staticmethod
     def _resume_logprobs(conv: _Conversation) -> list[float]:
@@ -310,7 +321,8 @@ class Conversations:
             turns=conv.turns)
 
 
-def make_conversations(config: Any, tokenizer: Tokenizer) -> Conversations:
+def make_conversations(config: Any, tokenizer: Tokenizer, reuse_kv: bool = False
+                       ) -> Conversations:
     """:class:`Conversations` for a worker's ``environment`` config
     (:class:`~laminar_rollout.config.EnvironmentConfig`).
 
@@ -339,7 +351,7 @@ def make_conversations(config: Any, tokenizer: Tokenizer) -> Conversations:
         tool_pool = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="tool")
         kwargs.update(tools=tools, pool=tool_pool)
     conversations = Conversations(tokenizer, lambda record: cls(record, limits, **kwargs),
-                                  limits, workers=config.workers)
+                                  limits, workers=config.workers, reuse_kv=reuse_kv)
     return conversations
 
 

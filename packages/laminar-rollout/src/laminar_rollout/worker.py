@@ -116,7 +116,8 @@ class WorkerService(Service):
                                   timeout_s=config.reward_timeout_s)
         self._scoring: dict[str, tuple[PromptTask, Completed]] = {}
         """Generated, waiting for the reward pool: still held (reported), not yet pushed."""
-        self.conversations = make_conversations(config.environment, tokenizer) \
+        self.conversations = make_conversations(
+            config.environment, tokenizer, reuse_kv=engine.supports_kv_transfer) \
             if config.environment is not None else None
         self._between_turns: dict[str, PromptTask] = {}
         """Multi-turn trajectories whose environment is answering (held, not in the engine)."""
@@ -446,6 +447,7 @@ class WorkerService(Service):
                 resume_token_ids=list(task.resume_token_ids),
                 resume_logprobs=list(task.resume_logprobs),
                 policy_version=task.policy_version if task.resume_token_ids else None,
+                keep_kv=self.conversations is not None and self.conversations.reuse_kv,
             )
             self.engine.add_request(request)
         except (EngineError, ConfigError, ValueError) as exc:

@@ -20,8 +20,10 @@ How a step runs:
    prefilled in one right-padded forward (``prompt + resume`` tokens) and
    sample their first token from the last real position. A migrated request
    that brings its cache (``request.kv``, from ``export_with_kv`` of another
-   ``TorchEngine`` with the same model shape) skips the prefill: its cache is
-   copied into the slot and it decodes from its last resumed token.
+   ``TorchEngine`` with the same model shape, or a conversation's previous turn
+   with ``keep_kv``) skips the prefill: its cache is copied into the slot, the
+   tokens it does not cover (a turn's tool results) are run through one forward
+   over it, and it decodes from its last resumed token.
 
 Precision: the model and its KV cache are in the model's dtype (``dtype``
 when loading from a directory, e.g. bfloat16); logits are cast to float32
@@ -154,8 +156,9 @@ class SlotCache(Cache):
 class TorchEngine(GenerationEngine):
     """Continuous-batching generation engine on a transformers causal LM.
 
-    ``prefilled_tokens`` counts the tokens run through prefill forwards (what
-    KV transfer saves a migrated trajectory).
+    ``prefilled_tokens`` counts the tokens run through prefill forwards;
+    ``kv_reused_tokens`` the tokens a request's cache brought instead (what KV
+    transfer saves a migrated trajectory, and a conversation's next turn).
 
     Args:
         model: A loaded ``PreTrainedModel`` (causal LM), or a local directory
@@ -249,6 +252,7 @@ class TorchEngine(GenerationEngine):
         self._pending = [0] * max_batch
         self._kv_shape = _kv_geometry(config, next(model.parameters()).dtype)
         self.prefilled_tokens = 0
+        self.kv_reused_tokens = 0
         self.compactions = 0
         """Sequences moved to a lower slot (one slot's cache copied each)."""
 
@@ -484,8 +488,14 @@ class TorchEngine(GenerationEngine):
         for seq in seqs:
             reason = seq.finish_reason(self._context_length)
             if reason is not None:
+                out = SequenceTable.output(seq, reason, self._version, simulated=False)
+                if seq.request.keep_kv:
+                    n = self._lens[seq.slot]  # every token but the last (never fed)
+                    out.kv = KVState("torch", n,
+                                     tuple(k[seq.slot, :, :n].clone() for k in self._keys),
+                                     tuple(v[seq.slot, :, :n].clone() for v in self._values))
                 self._table.release(seq)
-                done.append(SequenceTable.output(seq, reason, self._version, simulated=False))
+                done.append(out)
         return done
 
     def _forward(
@@ -588,16 +598,33 @@ class TorchEngine(GenerationEngine):
         self._sample(seqs, logits)
 
     def _install_kv(self, seq: SequenceState) -> None:
-        """Copy a migrated request's cache into its slot; it decodes from its last token."""
+        """Copy a request's cache into its slot, run the tokens it does not cover (all but
+        the last) through one forward over it; the sequence decodes from its last token."""
         kv = seq.request.kv
-        if not self._keys:
-            self._allocate([k[None] for k in kv.keys], [v[None] for v in kv.values],
-                           kv.num_tokens + 1)
-        self._ensure_capacity(kv.num_tokens + 1)
+        inputs = seq.input_ids()
+        keys = [k.to(self._device) for k in kv.keys]
+        values = [v.to(self._device) for v in kv.values]
         n = kv.num_tokens
-        for k_store, v_store, k, v in zip(self._keys, self._values, kv.keys, kv.values):
-            k_store[seq.slot, :, :n] = k.to(self._device)
-            v_store[seq.slot, :, :n] = v.to(self._device)
+        rest = inputs[n:-1]
+        if rest:
+            cache = DynamicCache()
+            for layer, (k, v) in enumerate(zip(keys, values)):
+                cache.update(k[None], v[None], layer)
+            ids = torch.tensor([rest], device=self._device)
+            mask = torch.ones((1, n + len(rest)), dtype=torch.long, device=self._device)
+            positions = torch.arange(n, n + len(rest), device=self._device)[None]
+            self._forward(ids, mask, positions, cache, torch.tensor([0], device=self._device))
+            pairs = [_layer_kv(cache, layer) for layer in range(len(keys))]
+            keys, values = [k[0] for k, _ in pairs], [v[0] for _, v in pairs]
+            self.prefilled_tokens += len(rest)
+            n += len(rest)
+        self.kv_reused_tokens += kv.num_tokens
+        if not self._keys:
+            self._allocate([k[None] for k in keys], [v[None] for v in values], n + 1)
+        self._ensure_capacity(n + 1)
+        for k_store, v_store, k, v in zip(self._keys, self._values, keys, values):
+            k_store[seq.slot, :, :n] = k[:, :n]
+            v_store[seq.slot, :, :n] = v[:, :n]
         self._lens[seq.slot] = n
         self._pending[seq.slot] = seq.token_ids[-1]
         seq.request.kv = None  # the slot holds it now

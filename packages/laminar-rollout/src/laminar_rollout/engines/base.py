@@ -18,7 +18,11 @@ Invariants every engine keeps:
   tokens followed by the new ones. An engine whose weight version differs from
   the request's ``policy_version`` refuses it.
 - **KV transfer is an optional shortcut.** ``export_with_kv`` may attach a
-  request's attention cache (``GenerationRequest.kv``, a :class:`KVState`); an
+  request's attention cache (``GenerationRequest.kv``, a :class:`KVState`), and
+  a request with ``keep_kv`` gets its finished sequence's cache on its output
+  (the next turn of a multi-turn conversation continues from it); a cache may
+  cover only a prefix of ``prompt + resume``, and the engine then prefills only
+  the rest (the tool results appended between turns); an
   engine of the same kind and model shape then continues from it without the
   re-prefill. Engines without it (``supports_kv_transfer`` False) export plain
   resumable requests, and a request's ``kv`` must fit the engine that takes it
@@ -163,8 +167,12 @@ class GenerationRequest:
         policy_version: The weight version that produced the resumed tokens.
             Required when resuming; when set, an engine at another version
             refuses the request.
-        kv: The attention cache of prompt + resumed tokens (all but the last
-            resumed one), from ``export_with_kv``; ``None`` re-prefills.
+        kv: The attention cache of a prefix of prompt + resumed tokens (at most
+            all but the last resumed one), from ``export_with_kv`` or a previous
+            turn's output; the engine prefills the tokens it does not cover.
+            ``None`` re-prefills everything.
+        keep_kv: Attach the finished sequence's cache (every token but the last)
+            to its output, for a next turn (engines with ``supports_kv_transfer``).
 
     Raises:
         ValueError: naming the offending field.
@@ -177,6 +185,7 @@ class GenerationRequest:
     resume_logprobs: list[float] = field(default_factory=list)
     policy_version: int | None = None
     kv: KVState | None = None
+    keep_kv: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -203,11 +212,11 @@ class GenerationRequest:
             )
         if self.kv is not None:
             cached = len(self.prompt_token_ids) + len(self.resume_token_ids) - 1
-            if not self.resume_token_ids or self.kv.num_tokens != cached:
+            if not self.resume_token_ids or not 0 < self.kv.num_tokens <= cached:
                 raise ValueError(
                     f"kv of request {self.request_id!r} caches {self.kv.num_tokens} tokens; "
-                    f"it must cache prompt + resumed tokens but the last ({cached}), and only "
-                    "a request with resumed tokens carries one"
+                    f"it must cache a prefix of prompt + resumed tokens but the last (at most "
+                    f"{cached}), and only a request with resumed tokens carries one"
                 )
 
 
@@ -227,6 +236,9 @@ class GenerationOutput:
     policy_version: int
     simulated: bool = False
     num_resumed: int = 0
+    kv: KVState | None = None
+    """The finished sequence's cache (every token but the last), for a request with
+    ``keep_kv`` on an engine that supports it."""
 
 
 @dataclass(slots=True, frozen=True)
