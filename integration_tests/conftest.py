@@ -91,3 +91,33 @@ def tier_args(etcd, job: str, ttl_s: int) -> list[str]:
     """The ``--set`` overrides every tier of a test stack shares: job, etcd, lease TTL."""
     return ["--set", f"job={job}", "--set", f"etcd.endpoints=[{etcd.endpoint}]",
             "--set", f"etcd.ttl_s={ttl_s}"]
+
+
+def laminar_up(tmp_path: Path, job: dict, *args: str, env: dict[str, str] | None = None,
+               name: str = "job.yaml") -> ChildProcess:
+    """Write ``job`` to ``tmp_path/name`` and start ``laminar up`` on it (``args``: more
+    CLI arguments); its output goes to ``tmp_path/up.log``. The caller stops it."""
+    import yaml
+
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up",
+                               str(path), *args], str(tmp_path / "up.log"),
+                        cwd=str(tmp_path), env=env)
+
+
+def run_to_end(up: ChildProcess, timeout_s: float, done: str = r"trainer exited with \[0\]"
+               ) -> None:
+    """Wait for ``laminar up`` to print ``done`` and exit 0; stops it whatever happens."""
+    try:
+        up.wait_for_line(done, timeout_s)
+        assert up.proc.wait(120) == 0
+    finally:
+        up.stop(grace_s=30)
+
+
+def consumed_ids(trainer_run_dir: Path) -> list[str]:
+    """Every trajectory id the trainer recorded as trained (consumed.jsonl), in order."""
+    path = Path(trainer_run_dir) / "consumed.jsonl"
+    return [i for line in path.read_text().splitlines() if line.strip()
+            for i in json.loads(line)["ids"]]

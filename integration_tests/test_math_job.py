@@ -13,12 +13,11 @@ was saved, and the worker's prompt ids for a record are the trainer's.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import yaml
 
-from laminar_common.launch.processes import ChildProcess
+from conftest import laminar_up, run_to_end
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_GAIN = 0.10
@@ -32,15 +31,7 @@ def test_math_job_runs_a_verl_parquet_unchanged_and_raises_held_out_accuracy(tmp
     trainer["total_steps"] = STEPS
     trainer["checkpoint"]["every_steps"] = STEPS
     trainer["eval"]["every_steps"] = 0
-    path = tmp_path / "math.yaml"
-    path.write_text(yaml.safe_dump(job))
-    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path)],
-                      str(tmp_path / "up.log"), cwd=str(tmp_path))
-    try:
-        up.wait_for_line(r"trainer exited with \[0\]", 1200)
-        assert up.proc.wait(120) == 0
-    finally:
-        up.stop(grace_s=10)
+    run_to_end(laminar_up(tmp_path, job, name="math.yaml"), 1200)
     run = tmp_path / "run"
     summary = json.loads((run / "trainer" / "summary.json").read_text())
     assert summary["simulated_step"] is False and summary["steps"] == STEPS

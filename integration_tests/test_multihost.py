@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import metric_value, scrape_metrics
+from conftest import consumed_ids, laminar_up, metric_value, scrape_metrics
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.launch.local_etcd import free_port
 from laminar_common.launch.processes import ChildProcess
@@ -87,16 +86,9 @@ def _job(run_dir: Path, auth: dict | None) -> dict:
             "setup": setup, "tiers": tiers, "wait_for": "trainer", "timeout_s": 300}
 
 
-def _up(tmp_path: Path, job: dict) -> ChildProcess:
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job, sort_keys=False))
-    return ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up",
-                               str(path)], str(tmp_path / "up.log"), cwd=str(tmp_path))
-
-
 def test_three_hosts_train_exactly_once_and_read_weights_from_their_own_hosts_relay(tmp_path):
     run_dir = tmp_path / "run"
-    up = _up(tmp_path, _job(run_dir, {"dir": "{run_dir}/keys"}))
+    up = laminar_up(tmp_path, _job(run_dir, {"dir": "{run_dir}/keys"}))
     try:
         up.wait_for_line(r"this job spans hosts \(.*3 host ids", 60)
         endpoint = up.wait_for_line(r"etcd at (\S+)", 120).group(1)
@@ -128,15 +120,14 @@ def test_three_hosts_train_exactly_once_and_read_weights_from_their_own_hosts_re
     finally:
         up.stop(grace_s=30)
     trainer_dir = run_dir / "trainer"
-    consumed = [i for line in (trainer_dir / "consumed.jsonl").read_text().splitlines()
-                if line.strip() for i in json.loads(line)["ids"]]
+    consumed = consumed_ids(trainer_dir)
     assert len(consumed) == len(set(consumed)) == STEPS * GROUPS * GROUP_SIZE
     summary = json.loads((trainer_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
 
 
 def test_a_job_spanning_hosts_without_auth_is_refused(tmp_path):
-    up = _up(tmp_path, _job(tmp_path / "run", None))
+    up = laminar_up(tmp_path, _job(tmp_path / "run", None))
     assert up.proc.wait(60) != 0
     up.wait_for_line(r"this job spans hosts \(.*3 host ids.*\) but relay-a, relay-b, relay-c, "
                      r"manager, worker-b, worker-c, trainer run without authentication", 10)
@@ -146,7 +137,7 @@ def test_a_job_spanning_hosts_without_auth_is_refused(tmp_path):
     insecure.mkdir()
     job = _job(insecure / "run", {"insecure": True})
     job["tiers"]["trainer"]["config"]["total_steps"] = 1
-    up = _up(insecure, job)
+    up = laminar_up(insecure, job)
     try:
         up.wait_for_line(r"WARNING: this job spans hosts .* run WITHOUT AUTHENTICATION", 60)
     finally:
@@ -276,16 +267,7 @@ def _ray_job(run_dir: Path, steps: int) -> dict:
 
 def _up_ray(tmp_path: Path, job: dict, cluster) -> ChildProcess:
     address, _, env = cluster
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job, sort_keys=False))
-    return ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path),
-                               "--backend", "ray", "--address", address],
-                        str(tmp_path / "up.log"), cwd=str(tmp_path), env=env)
-
-
-def _consumed(run_dir: Path) -> list[str]:
-    return [i for line in (run_dir / "trainer" / "consumed.jsonl").read_text().splitlines()
-            if line.strip() for i in json.loads(line)["ids"]]
+    return laminar_up(tmp_path, job, "--backend", "ray", "--address", address, env=env)
 
 
 def _placement(endpoint: str) -> dict:
@@ -328,7 +310,7 @@ def test_ray_across_three_nodes_one_relay_per_worker_node_exactly_once(tmp_path,
         assert up.proc.wait(120) == 0
     finally:
         up.stop(grace_s=60)
-    consumed = _consumed(tmp_path / "run")
+    consumed = consumed_ids(tmp_path / "run" / "trainer")
     assert len(consumed) == len(set(consumed)) == steps * GROUPS * GROUP_SIZE
 
 
@@ -364,5 +346,5 @@ def test_ray_job_survives_losing_a_worker_node(tmp_path, ray_cluster):
         assert up.proc.wait(120) == 0
     finally:
         up.stop(grace_s=60)
-    consumed = _consumed(tmp_path / "run")
+    consumed = consumed_ids(tmp_path / "run" / "trainer")
     assert len(consumed) == len(set(consumed)) == steps * GROUPS * GROUP_SIZE

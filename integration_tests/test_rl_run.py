@@ -23,19 +23,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import read_steps, wait_ready, wait_until
+from conftest import consumed_ids, laminar_up, read_steps, run_to_end, wait_ready, wait_until
 from laminar_common.etcd import EtcdCoordinator
-from laminar_common.launch.processes import ChildProcess
 from laminar_common.relay.client import RelayClient
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_GAIN = 0.20
-
-
-def _consumed(run_dir: Path) -> list[str]:
-    path = run_dir / "consumed.jsonl"
-    return [i for line in path.read_text().splitlines() if line.strip()
-            for i in json.loads(line)["ids"]]
 
 
 
@@ -43,16 +36,9 @@ def _consumed(run_dir: Path) -> list[str]:
 def test_demo_job_raises_held_out_accuracy_by_twenty_points(tmp_path):
     job = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
     job["run_dir"] = str(tmp_path / "run")
-    path = tmp_path / "demo.yaml"
-    path.write_text(yaml.safe_dump(job))
     total_steps = job["tiers"]["trainer"]["config"]["total_steps"]
-    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path)],
-                      str(tmp_path / "up.log"), cwd=str(tmp_path))
-    try:
-        up.wait_for_line(r"trainer exited with \[0\]", 1200)
-        assert up.proc.wait(120) == 0
-    finally:
-        up.stop(grace_s=10)
+    up = laminar_up(tmp_path, job, name="demo.yaml")
+    run_to_end(up, 1200)
     run_dir = tmp_path / "run" / "trainer"
     summary = json.loads((run_dir / "summary.json").read_text())
     warm = json.loads((tmp_path / "run" / "model" / "warm_start.json").read_text())
@@ -63,7 +49,7 @@ def test_demo_job_raises_held_out_accuracy_by_twenty_points(tmp_path):
     # The greedy policy starts mostly wrong (the warm start's noisy demonstrations).
     assert before < 0.6
     assert after - before >= MIN_GAIN, (before, after)
-    consumed = _consumed(run_dir)
+    consumed = consumed_ids(run_dir)
     batch = job["tiers"]["trainer"]["config"]["batch_groups"] * \
         job["tiers"]["manager"]["config"]["group_size"]
     assert len(consumed) == len(set(consumed)) == total_steps * batch
@@ -136,7 +122,7 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path,
     # the steps after the checkpoint that the killed one took were rolled back.
     steps = [row["step"] for row in read_steps(run_dir)]
     assert steps[-(total_steps - resumed_step):] == list(range(resumed_step + 1, total_steps + 1))
-    consumed = _consumed(run_dir)
+    consumed = consumed_ids(run_dir)
     assert len(consumed) == len(set(consumed)) == total_steps * 4 * 4
     manager.stop()
     state = json.loads((state_dir / "manager_state.json").read_text())
@@ -170,7 +156,7 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["simulated_step"] is False
     assert summary["eval_before"] is not None and summary["eval_after"] is not None
-    consumed = _consumed(run_dir)
+    consumed = consumed_ids(run_dir)
     assert len(consumed) == len(set(consumed)) == steps * 4 * 4
     rows = read_steps(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -208,7 +194,7 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
     single.wait_for_line(r"TRAINER DONE", 600)
     assert single.proc.wait(60) == 0
     assert [r["step"] for r in read_steps(run_dir)][-2:] == [steps + 1, steps + 2]
-    consumed = _consumed(run_dir)
+    consumed = consumed_ids(run_dir)
     assert len(consumed) == len(set(consumed)) == (steps + 2) * 4 * 4
     assert worker.alive() and manager.alive()
 
@@ -275,7 +261,7 @@ def test_bad_trajectories_against_the_real_model_are_refused_counted_and_regener
     assert summary["nonfinite_steps"] == 0
     weights = load_file(str(ckpt / f"step-{total_steps:08d}" / "model" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values()), "NaN in the weights"
-    consumed = _consumed(run_dir)
+    consumed = consumed_ids(run_dir)
     assert len(consumed) == len(set(consumed))
     assert doomed.trajectory_id not in consumed
     # Bad copies of ids the worker then generated for real did not stop those ids:

@@ -14,12 +14,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import yaml
 
-from laminar_common.launch.processes import ChildProcess
+from conftest import consumed_ids, laminar_up, run_to_end
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -40,18 +39,9 @@ def test_tools_job_learns_to_call_the_python_tool(tmp_path):
     job["setup"][0][1] = str(REPO / "examples" / "tools" / "tooluse.py")
     trainer = job["tiers"]["trainer"]["config"]
     trainer["total_steps"] = STEPS
-    path = tmp_path / "tools.yaml"
-    path.write_text(yaml.safe_dump(job))
-    up = ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up", str(path)],
-                      str(tmp_path / "up.log"), cwd=str(tmp_path))
-    try:
-        up.wait_for_line(r"trainer exited with \[0\]", 1200)
-        assert up.proc.wait(120) == 0
-    finally:
-        up.stop(grace_s=10)
+    run_to_end(laminar_up(tmp_path, job), 1200)
     run = tmp_path / "run"
-    consumed = [i for line in (run / "trainer" / "consumed.jsonl").read_text().splitlines()
-                if line.strip() for i in json.loads(line)["ids"]]
+    consumed = consumed_ids(run / "trainer")
     batch = trainer["batch_groups"] * job["tiers"]["manager"]["config"]["group_size"]
     assert len(consumed) == len(set(consumed)) == STEPS * batch
 

@@ -180,6 +180,18 @@ def test_a_conversation_is_pinned_to_its_worker_once_tool_results_are_in_it():
     assert not conv.busy
 
 
+def _tiny_model(seed: int):
+    """A random-init Qwen2 whose vocabulary holds every ByteTokenizer id."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False)).eval()
+
+
 def _drive(conv: Conversations, engine, task: PromptTask, request, timeout_s: float = 60,
            stop_after_turn2_tokens: int | None = None):
     """Run ``request`` (and the next turns) on ``engine``; with ``stop_after_turn2_tokens``,
@@ -220,15 +232,10 @@ def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_n
     weights, same version) finishes it: tokens, log-probs, spans and turns equal a run
     that never moved (seeded sampling), and no tool call ran twice."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from laminar_rollout.engines import GenerationRequest, SamplingParams, TorchEngine
 
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=False)).eval()
+    model = _tiny_model(seed=0)
     tok = ByteTokenizer()
     limits = TurnLimits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=400)
     steps = []
@@ -292,15 +299,10 @@ def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_n
 
 def test_with_kv_reuse_a_turn_prefills_only_its_tool_results_and_samples_the_same():
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from laminar_rollout.engines import GenerationRequest, SamplingParams, TorchEngine
 
-    torch.manual_seed(1)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=False)).eval()
+    model = _tiny_model(seed=1)
     tok = ByteTokenizer()
     limits = TurnLimits(max_turns=4, max_tokens_per_turn=12, max_total_tokens=600)
     stops = tuple(range(200, 259))
