@@ -317,9 +317,10 @@ def test_ray_across_three_nodes_one_relay_per_worker_node_exactly_once(tmp_path,
 def test_ray_job_survives_losing_a_worker_node(tmp_path, ray_cluster):
     """Node C's raylet and everything under it (its relay, its worker) are SIGKILLed
     mid-run: the worker comes back on node B, reads from B's relay, and the run ends
-    with every prompt trained exactly once."""
+    with every prompt trained exactly once. The run is long enough (150 steps of at
+    least 0.3 s) for Ray to see the node gone and start the worker again."""
     _, nodes, _ = ray_cluster
-    steps = 30
+    steps = 150
     up = _up_ray(tmp_path, _ray_job(tmp_path / "run", steps), ray_cluster)
     try:
         endpoint = up.wait_for_line(r"etcd at (\S+)", 120).group(1)
@@ -334,8 +335,7 @@ def test_ray_job_survives_losing_a_worker_node(tmp_path, ray_cluster):
         killed_at = time.time()
         victims = _kill_tree(nodes["c"])
         assert len(victims) > 3  # ray start, raylet, the actors, their tiers
-        up.wait_for_line(r"trainer: STEP 12 ", 240)
-        # The lost worker registered again, on node B this time.
+        # The lost worker registers again, on node B this time, while the run goes on.
         coord = EtcdCoordinator([endpoint], "raynodes", connect_timeout_s=10)
         try:
             back = wait_ready(coord, "worker", lost[0], timeout_s=180, newer_than=killed_at)[0]

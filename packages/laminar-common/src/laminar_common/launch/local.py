@@ -464,11 +464,12 @@ class LocalLauncher:
             for c in target:
                 c.wait_exit(60)  # its final CPU count, before wait() reaps it
             codes = [c.proc.wait() for c in target]
-            for child in target:
-                if child.proc.returncode != 0:
-                    self.say_exited(child, "failed")
             self._say(f"{self.job.wait_for} exited with {codes}")
-            return 0 if not any(codes) else 1
+            failed = [c for c in target if c.proc.returncode != 0]
+            for child in failed[1:]:
+                self.say_exited(child, "failed")
+            # A replica that failed before the loop saw it is reported as one it saw.
+            return self._stop_for(failed[0]) if failed else 0
         finally:
             t_stop = time.time()
             self.stop_all()
