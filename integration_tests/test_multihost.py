@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from conftest import consumed_ids, laminar_up, metric_value, scrape_metrics
+from laminar_common.errors import LaminarError
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.launch.local_etcd import free_port
 from laminar_common.launch.processes import ChildProcess
@@ -194,7 +195,12 @@ def ray_cluster():
     # Ray's token authentication, one token for this cluster: every node, the driver
     # (laminar up) and the actors present it (and a ~/.ray/auth_token left by another
     # Ray never decides the mode).
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # A lost node is declared dead after ~5 failed 1 s health checks (Ray's default is
+    # 5 x 3 s after a 5 s delay), so the node-loss test does not depend on a slow machine
+    # being fast enough to restart the worker before the run ends.
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "1000",
+           "RAY_health_check_timeout_ms": "3000", "RAY_health_check_failure_threshold": "5"}
     nodes: dict[str, ChildProcess] = {}
     common = ["--num-cpus", "1", "--object-store-memory", str(100 << 20),
               "--disable-usage-stats", "--block"]
@@ -318,9 +324,10 @@ def test_ray_job_survives_losing_a_worker_node(tmp_path, ray_cluster):
     """Node C's raylet and everything under it (its relay, its worker) are SIGKILLed
     mid-run: the worker comes back on node B, reads from B's relay, and the run ends
     with every prompt trained exactly once. The run is long enough (150 steps of at
-    least 0.3 s) for Ray to see the node gone and start the worker again."""
+    least 0.3 s) for Ray to see the node gone and start the worker again; if the run
+    ends or fails first, the test says so with ``laminar up``'s tail."""
     _, nodes, _ = ray_cluster
-    steps = 150
+    steps = 200
     up = _up_ray(tmp_path, _ray_job(tmp_path / "run", steps), ray_cluster)
     try:
         endpoint = up.wait_for_line(r"etcd at (\S+)", 120).group(1)
@@ -338,10 +345,16 @@ def test_ray_job_survives_losing_a_worker_node(tmp_path, ray_cluster):
         # The lost worker registers again, on node B this time, while the run goes on.
         coord = EtcdCoordinator([endpoint], "raynodes", connect_timeout_s=10)
         try:
-            back = wait_ready(coord, "worker", lost[0], timeout_s=180, newer_than=killed_at)[0]
+            back = wait_ready(coord, "worker", lost[0], timeout_s=180, newer_than=killed_at,
+                              alive=up.alive)[0]
+        except LaminarError as exc:
+            pytest.fail(f"the lost worker did not come back while the run went on ({exc}); "
+                        "laminar up:\n" + "\n".join(up.tail(60)))
         finally:
             coord.close()
         assert back.host_id in node_b, (back.host_id, node_b)
+        # ... and the run went on with it: the trainer had steps left when it came back.
+        assert not any(f"trainer: STEP {steps} " in line for line in up.lines), up.tail(20)
         up.wait_for_line(r"trainer exited with 0", 300)
         assert up.proc.wait(120) == 0
     finally:
