@@ -123,7 +123,7 @@ def test_validate_manifest_names_each_inconsistency():
         with pytest.raises(ProtocolError, match=message):
             validate_manifest(bad)
     no_sums = _edit(manifest, chunks=tuple(_edit(c, checksum="") for c in manifest.chunks))
-    with pytest.raises(ProtocolError, match="no valid blake2b-128 checksum"):
+    with pytest.raises(ProtocolError, match="no valid xxh3-128 checksum"):
         validate_manifest(no_sums)
     validate_manifest(no_sums, require_checksums=False)
     with pytest.raises(ProtocolError, match="over the limit of 1000"):
@@ -148,3 +148,39 @@ def test_chunks_concatenate_to_the_flat_stream(sizes, chunk_bytes, alignment):
     )
     assert joined == bytes(flatten(manifest, buffers))
     validate_manifest(manifest)
+
+
+def test_chunks_are_checksummed_with_xxh3_128_and_a_legacy_manifest_still_verifies():
+    import hashlib
+
+    import msgspec
+    import xxhash
+
+    manifest, buffers = build_manifest(1, _tensors(), chunk_bytes=100)
+    assert manifest.checksum_algo == "xxh3-128"
+    flat = flatten(manifest, buffers)
+    first = manifest.chunks[0]
+    assert first.checksum == xxhash.xxh3_128_hexdigest(bytes(flat[:100]))
+    verify_buffer(manifest, flat)
+    # A manifest an older publisher made (blake2b-128, no field): still verified as such.
+    old, old_buffers = build_manifest(1, _tensors(), chunk_bytes=100,
+                                      checksum_algo="blake2b-128")
+    assert old.chunks[0].checksum == hashlib.blake2b(
+        bytes(flatten(old, old_buffers)[:100]), digest_size=16).hexdigest()
+    verify_buffer(old, flatten(old, old_buffers))
+    # ... and the same bytes under the other algorithm's checksums fail.
+    swapped = msgspec.structs.replace(manifest, checksum_algo="blake2b-128")
+    with pytest.raises(ProtocolError, match="chunk 0 failed its checksum"):
+        verify_buffer(swapped, flat)
+    with pytest.raises(ProtocolError, match=r"unknown checksum_algo 'md5'"):
+        validate_manifest(msgspec.structs.replace(manifest, checksum_algo="md5"))
+
+
+def test_a_proto_manifest_without_the_algorithm_is_read_as_blake2b():
+    from laminar_common.relay.wire import manifest_from_proto, manifest_to_proto
+
+    manifest, _ = build_manifest(3, _tensors(), chunk_bytes=256)
+    pb = manifest_to_proto(manifest)
+    assert manifest_from_proto(pb) == manifest
+    pb.ClearField("checksum_algo")  # what a relay or trainer from before the field sends
+    assert manifest_from_proto(pb).checksum_algo == "blake2b-128"

@@ -306,7 +306,8 @@ class TensorSpec(_Msg, tag="tensor"):
 
 
 class ChunkSpec(_Msg, tag="chunk"):
-    """One chunk of a version's byte stream and its checksum (blake2b-128 hex)."""
+    """One chunk of a version's byte stream and its checksum (hex, by the manifest's
+    ``checksum_algo``)."""
 
     index: int
     offset: int
@@ -324,6 +325,15 @@ class WeightManifest(_Msg, tag="manifest"):
     chunks: tuple[ChunkSpec, ...]
     created_at: float = 0.0
     trainer_step: int = -1
+    checksum_algo: str = "xxh3-128"
+    """How chunk checksums are computed: ``xxh3-128`` (what publishers use) or
+    ``blake2b-128`` (a relay or trainer from before the field, whose protobuf
+    manifest has none; still verified)."""
+    base_version: int = -1
+    """A delta version's base (see :mod:`laminar_common.relay.delta`); -1 for a full one."""
+    full: WeightManifest | None = None
+    """A delta version's target: the full version's manifest, whose checksums the
+    rebuilt stream must match; None for a full version."""
 
 
 Message = Union[

@@ -25,7 +25,6 @@ same-host readers map, or heap memory).
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import threading
 import time
@@ -33,9 +32,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from laminar_common.codec import ChunkSpec, WeightManifest
 from laminar_common.errors import LaminarError, ProtocolError
-from laminar_common.relay.manifests import validate_manifest
+from laminar_common.relay.manifests import digest_of, validate_manifest
 from laminar_common.relay.wire import (
     ChecksumError,
     CommitTimeoutError,
@@ -194,6 +195,32 @@ class WeightStore:
         with self._cond:
             return sorted({s.version for s in self._sessions.values()})
 
+    def chain(self, version: int) -> list[int]:
+        """``version`` and, if it is a delta, the versions held here that it needs to be
+        rebuilt: its base, the base's base, ... down to a full version (ascending).
+        Stops early where a base is not held here."""
+        with self._cond:
+            return self._chain_locked(version)
+
+    def _chain_locked(self, version: int) -> list[int]:
+        out = [version]
+        manifest = self._manifest_locked(version)
+        while manifest is not None and manifest.full is not None:
+            base = manifest.base_version
+            manifest = self._manifest_locked(base)
+            if manifest is None:
+                break
+            out.append(base)
+        return sorted(out)
+
+    def _manifest_locked(self, version: int) -> WeightManifest | None:
+        if version in self._sealed:
+            return self._sealed[version].manifest
+        for s in self._sessions.values():
+            if s.version == version:
+                return s.layout
+        return None
+
     def stats(self) -> dict[str, object]:
         with self._cond:
             self._expire_leases_locked()
@@ -301,11 +328,12 @@ class WeightStore:
             )
 
     def _make_room_locked(self, need: int, v: int) -> None:
-        newest = max(self._sealed) if self._sealed else None
+        # The newest version stays, and so do the versions it is rebuilt from.
+        needed = set(self._chain_locked(max(self._sealed))) if self._sealed else set()
         for old in sorted(self._sealed):
             if self._used + need <= self.max_bytes:
                 break
-            if old != newest and not self._pins[old]:
+            if old not in needed and not self._pins[old]:
                 self._drop_locked(old, "making room")
         if self._used + need > self.max_bytes:
             held = (
@@ -360,7 +388,7 @@ class WeightStore:
                 f"chunk {index} of version {s.version}: header checksum differs from the manifest's"
             )
         elif verify:
-            got = hashlib.blake2b(payload, digest_size=16).digest()
+            got = digest_of(payload, s.layout.checksum_algo)
             if got != digest:
                 problem = ChecksumError(
                     f"chunk {index} of version {s.version} failed its checksum "
@@ -447,18 +475,10 @@ class WeightStore:
                 self._abort_locked(s, f"commit failed: {exc}")
                 raise
             layout = s.layout
-            manifest = WeightManifest(
-                layout.version,
-                layout.total_bytes,
-                layout.chunk_bytes,
-                layout.tensors,
-                tuple(
-                    ChunkSpec(c.index, c.offset, c.nbytes, w)
-                    for c, w in zip(layout.chunks, checksums)
-                ),
-                layout.created_at,
-                layout.trainer_step,
-            )
+            manifest = msgspec.structs.replace(layout, chunks=tuple(
+                ChunkSpec(c.index, c.offset, c.nbytes, w)
+                for c, w in zip(layout.chunks, checksums)
+            ))
         if before_seal is not None:
             try:
                 before_seal(manifest)
@@ -519,8 +539,11 @@ class WeightStore:
 
     def _retain_locked(self) -> None:
         keep = set(sorted(self._sealed)[-self.keep_versions :])
+        if self._sealed:  # a delta's base chain stays as long as the delta does
+            keep.update(self._chain_locked(max(self._sealed)))
         for v in [v for v in self._sealed if v not in keep and not self._pins[v]]:
-            self._drop_locked(v, f"retention keeps the newest {self.keep_versions}")
+            self._drop_locked(v, f"retention keeps the newest {self.keep_versions} and the "
+                                 "versions the newest is rebuilt from")
 
     # -- forwarding ---------------------------------------------------------
 

@@ -15,7 +15,11 @@ Invariants:
   padding in between), so per-tensor views of the flat stream are aligned.
 - Chunk ``k`` covers ``[k * chunk_bytes, min((k + 1) * chunk_bytes, total))``;
   every byte of the stream is in exactly one chunk.
-- A checksum is blake2b with a 16-byte digest, as lowercase hex.
+- A checksum is a 16-byte digest as lowercase hex, computed as the manifest's
+  ``checksum_algo`` says: xxh3-128 (``xxhash``; what publishers use: tens of
+  GB/s per core) or blake2b-128 (manifests from before the field). It guards
+  against corruption in transit and in memory, not against a malicious peer:
+  that is authentication's job (``auth.dir``).
 - Functions either return fully valid results or raise
   :class:`~laminar_common.errors.ProtocolError` (bad manifest or bytes) or
   ``ValueError`` (bad arguments from the caller); nothing is half-checked.
@@ -31,6 +35,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from laminar_common.codec import ChunkSpec, TensorSpec, WeightManifest
 from laminar_common.errors import ProtocolError
 
@@ -45,7 +51,11 @@ __all__ = [
     "tensor_nbytes",
     "plan_tensors",
     "plan_chunks",
+    "CHECKSUM_ALGORITHMS",
+    "DEFAULT_CHECKSUM",
+    "LEGACY_CHECKSUM",
     "checksum",
+    "digest_of",
     "iter_chunks",
     "build_manifest",
     "flatten",
@@ -195,15 +205,39 @@ def plan_chunks(total_bytes: int, chunk_bytes: int) -> tuple[ChunkSpec, ...]:
     )
 
 
-def checksum(data: Any | Sequence[Any]) -> str:
-    """blake2b-128 hex of a buffer, or of the concatenation of a list of buffers."""
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    if isinstance(data, (list, tuple)):
-        for part in data:
-            h.update(part)
-    else:
-        h.update(data)
-    return h.hexdigest()
+DEFAULT_CHECKSUM = "xxh3-128"
+"""What publishers checksum chunks with."""
+LEGACY_CHECKSUM = "blake2b-128"
+"""What a manifest without ``checksum_algo`` (an older peer's) was checksummed with."""
+CHECKSUM_ALGORITHMS = (DEFAULT_CHECKSUM, LEGACY_CHECKSUM)
+
+
+def _hasher(algo: str):
+    if algo == DEFAULT_CHECKSUM:
+        return xxhash.xxh3_128()
+    if algo == LEGACY_CHECKSUM:
+        return hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    raise ValueError(f"unknown checksum algorithm {algo!r}; known: "
+                     f"{', '.join(CHECKSUM_ALGORITHMS)}")
+
+
+def digest_of(data: Any | Sequence[Any], algo: str = DEFAULT_CHECKSUM) -> bytes:
+    """The 16-byte digest of a buffer, or of the concatenation of a list of buffers.
+
+    Raises:
+        ValueError: ``algo`` is not one of :data:`CHECKSUM_ALGORITHMS`.
+    """
+    if algo == DEFAULT_CHECKSUM and not isinstance(data, (list, tuple)):
+        return xxhash.xxh3_128_digest(data)
+    h = _hasher(algo)
+    for part in data if isinstance(data, (list, tuple)) else (data,):
+        h.update(part)
+    return h.digest()
+
+
+def checksum(data: Any | Sequence[Any], algo: str = DEFAULT_CHECKSUM) -> str:
+    """:func:`digest_of` as lowercase hex (what manifests carry)."""
+    return digest_of(data, algo).hex()
 
 
 def iter_chunks(
@@ -241,6 +275,7 @@ def build_manifest(
     trainer_step: int = -1,
     alignment: int = DEFAULT_ALIGNMENT,
     created_at: float | None = None,
+    checksum_algo: str = DEFAULT_CHECKSUM,
 ) -> tuple[WeightManifest, list[NamedBuffer]]:
     """Lay out, chunk and checksum ``tensors`` (one pass over the bytes, no copy).
 
@@ -254,7 +289,7 @@ def build_manifest(
     specs, total = plan_tensors(buffers, alignment)
     layout = plan_chunks(total, chunk_bytes)
     chunks = tuple(
-        ChunkSpec(p.index, p.offset, p.nbytes, checksum(list(p.segments)))
+        ChunkSpec(p.index, p.offset, p.nbytes, checksum(list(p.segments), checksum_algo))
         for p in iter_chunks(buffers, specs, layout)
     )
     manifest = WeightManifest(
@@ -265,6 +300,7 @@ def build_manifest(
         chunks=chunks,
         created_at=time.time() if created_at is None else created_at,
         trainer_step=trainer_step,
+        checksum_algo=checksum_algo,
     )
     return manifest, buffers
 
@@ -299,6 +335,15 @@ def validate_manifest(
     v = manifest.version
     if v < 0:
         raise ProtocolError(f"manifest version {v} is negative")
+    if manifest.full is not None:
+        from laminar_common.relay.delta import validate_delta
+
+        validate_manifest(manifest.full, max_total_bytes=max_total_bytes,
+                          max_tensors=max_tensors)
+        validate_delta(manifest)
+    elif manifest.base_version != -1:
+        raise ProtocolError(f"version {v} names base {manifest.base_version} but carries no "
+                            "full manifest")
     if manifest.total_bytes <= 0:
         raise ProtocolError(f"manifest of version {v} has total_bytes={manifest.total_bytes}")
     if max_total_bytes is not None and manifest.total_bytes > max_total_bytes:
@@ -308,6 +353,11 @@ def validate_manifest(
     if max_tensors is not None and len(manifest.tensors) > max_tensors:
         raise ProtocolError(
             f"version {v} lists {len(manifest.tensors)} tensors, over the limit of {max_tensors}"
+        )
+    if manifest.checksum_algo not in CHECKSUM_ALGORITHMS:
+        raise ProtocolError(
+            f"version {v}: unknown checksum_algo {manifest.checksum_algo[:40]!r} "
+            f"(known: {', '.join(CHECKSUM_ALGORITHMS)})"
         )
     if not 0 < manifest.chunk_bytes <= MAX_CHUNK_BYTES:
         raise ProtocolError(
@@ -332,7 +382,8 @@ def validate_manifest(
         if (require_checksums or got.checksum) and (
             len(got.checksum) != 2 * _DIGEST_BYTES or not _is_hex(got.checksum)
         ):
-            raise ProtocolError(f"version {v}: chunk {got.index} has no valid blake2b-128 checksum")
+            raise ProtocolError(
+                f"version {v}: chunk {got.index} has no valid {manifest.checksum_algo} checksum")
     if not manifest.tensors:
         raise ProtocolError(f"version {v}: manifest lists no tensors")
     names: set[str] = set()
@@ -366,12 +417,13 @@ def _is_hex(text: str) -> bool:
     return all(c in string.hexdigits for c in text)
 
 
-def verify_chunk(spec: ChunkSpec, data: Any) -> None:
-    """Raise :class:`ProtocolError` unless ``data`` is chunk ``spec`` exactly."""
+def verify_chunk(spec: ChunkSpec, data: Any, algo: str = DEFAULT_CHECKSUM) -> None:
+    """Raise :class:`ProtocolError` unless ``data`` is chunk ``spec`` exactly
+    (``algo``: the manifest's ``checksum_algo``)."""
     n = memoryview(data).nbytes
     if n != spec.nbytes:
         raise ProtocolError(f"chunk {spec.index} is {n} bytes, expected {spec.nbytes}")
-    got = checksum(data)
+    got = checksum(data, algo)
     if got != spec.checksum:
         raise ProtocolError(
             f"chunk {spec.index} failed its checksum (expected {spec.checksum}, got {got})"
@@ -386,7 +438,7 @@ def verify_buffer(manifest: WeightManifest, buffer: Any) -> None:
             f"version {manifest.version} is {manifest.total_bytes} bytes, buffer has {view.nbytes}"
         )
     for spec in manifest.chunks:
-        verify_chunk(spec, view[spec.offset : spec.offset + spec.nbytes])
+        verify_chunk(spec, view[spec.offset : spec.offset + spec.nbytes], manifest.checksum_algo)
 
 
 def tensor_views(manifest: WeightManifest, buffer: Any) -> dict[str, memoryview]:
@@ -411,6 +463,6 @@ def assemble(manifest: WeightManifest, chunks: Mapping[int, Any]) -> bytearray:
     out = bytearray(manifest.total_bytes)
     for spec in manifest.chunks:
         data = chunks[spec.index]
-        verify_chunk(spec, data)
+        verify_chunk(spec, data, manifest.checksum_algo)
         out[spec.offset : spec.offset + spec.nbytes] = data
     return out

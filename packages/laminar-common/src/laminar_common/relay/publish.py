@@ -6,7 +6,7 @@ master, and a relay's chain forwarder passing it downstream. The steps are
 
 1. ``BeginPublish`` with the version's layout: the relay answers with a
    session token and its data-plane endpoint, or declines;
-2. every chunk, with its blake2b-128 digest, over the data plane
+2. every chunk, with its digest (the manifest's ``checksum_algo``), over the data plane
    (:mod:`laminar_common.relay.dataplane`);
 3. ``CommitPublish`` with the count and the checksums in chunk order: the
    relay answers once every chunk is stored and verified (and, on the master,
@@ -30,6 +30,8 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import msgspec
 
 from laminar_common.auth import CurveAuth
 from laminar_common.codec import ChunkSpec, WeightManifest
@@ -164,10 +166,7 @@ class PublishSession:
         chunks = tuple(
             ChunkSpec(c.index, c.offset, c.nbytes, s) for c, s in zip(m.chunks, self.checksums)
         )
-        return WeightManifest(
-            m.version, m.total_bytes, m.chunk_bytes, m.tensors, chunks, m.created_at,
-            m.trainer_step,
-        )
+        return msgspec.structs.replace(m, chunks=chunks)
 
     def run(self, chunks: Iterable[Chunk]) -> relay_pb2.CommitPublishReply | None:
         """Begin, send every chunk ``chunks`` yields, and commit.

@@ -34,6 +34,7 @@ from laminar_common.errors import (
     ProtocolError,
     TransportError,
 )
+from laminar_common.relay.manifests import LEGACY_CHECKSUM
 from laminar_common.relay.proto import relay_pb2
 from laminar_common.roles import Extra, Role
 
@@ -208,6 +209,14 @@ def call_relay(method: Any, request: Any, what: str, timeout: float) -> Any:
 
 def manifest_to_proto(manifest: WeightManifest) -> relay_pb2.Manifest:
     """Protobuf form of a manifest (chunk checksums may be empty)."""
+    pb = _manifest_to_proto(manifest)
+    if manifest.full is not None:
+        pb.base_version = manifest.base_version
+        pb.full.CopyFrom(_manifest_to_proto(manifest.full))
+    return pb
+
+
+def _manifest_to_proto(manifest: WeightManifest) -> relay_pb2.Manifest:
     return relay_pb2.Manifest(
         version=manifest.version,
         total_bytes=manifest.total_bytes,
@@ -226,11 +235,18 @@ def manifest_to_proto(manifest: WeightManifest) -> relay_pb2.Manifest:
         ],
         created_at=manifest.created_at,
         trainer_step=manifest.trainer_step,
+        checksum_algo=manifest.checksum_algo,
     )
 
 
-def manifest_from_proto(pb: relay_pb2.Manifest) -> WeightManifest:
-    """Manifest from its protobuf form (types only; see ``weights.validate_manifest``)."""
+def manifest_from_proto(pb: relay_pb2.Manifest, *, nested: bool = False) -> WeightManifest:
+    """Manifest from its protobuf form (types only; see ``manifests.validate_manifest``).
+
+    A delta's ``full`` manifest is read one level deep (a full manifest is never a delta).
+    """
+    full = None
+    if pb.HasField("full") and not nested:
+        full = manifest_from_proto(pb.full, nested=True)
     return WeightManifest(
         version=int(pb.version),
         total_bytes=int(pb.total_bytes),
@@ -246,4 +262,8 @@ def manifest_from_proto(pb: relay_pb2.Manifest) -> WeightManifest:
         ),
         created_at=float(pb.created_at),
         trainer_step=int(pb.trainer_step),
+        # A peer from before the field sends none: its chunks are blake2b-128.
+        checksum_algo=pb.checksum_algo or LEGACY_CHECKSUM,
+        base_version=int(pb.base_version) if full is not None else -1,
+        full=full,
     )

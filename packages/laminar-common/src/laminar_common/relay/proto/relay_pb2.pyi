@@ -42,7 +42,7 @@ class ChunkSpec(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "total_bytes", "chunk_bytes", "tensors", "chunks", "created_at", "trainer_step")
+    __slots__ = ("version", "total_bytes", "chunk_bytes", "tensors", "chunks", "created_at", "trainer_step", "checksum_algo", "base_version", "full")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,9 @@ class Manifest(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
     version: int
     total_bytes: int
     chunk_bytes: int
@@ -57,7 +60,10 @@ class Manifest(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkSpec]
     created_at: float
     trainer_step: int
-    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkSpec, _Mapping]]] = ..., created_at: _Optional[float] = ..., trainer_step: _Optional[int] = ...) -> None: ...
+    checksum_algo: str
+    base_version: int
+    full: Manifest
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkSpec, _Mapping]]] = ..., created_at: _Optional[float] = ..., trainer_step: _Optional[int] = ..., checksum_algo: _Optional[str] = ..., base_version: _Optional[int] = ..., full: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
 
 class BeginPublishRequest(_message.Message):
     __slots__ = ("manifest", "origin", "sender_id")
