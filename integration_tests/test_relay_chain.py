@@ -295,3 +295,106 @@ def test_a_paused_master_is_left_behind_then_rejoins_the_chain(cluster):
     c.client.publish(3, tensors_for(3))
     c.wait_version(3, names)
     c.assert_identical(3, names)
+
+
+# -- delta versions (issue 17) ---------------------------------------------------------
+
+
+def _model(version: int):
+    """bf16 weights (as their bits) where each version changes 1% of the elements."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(1 << 20).astype(np.float32).view(np.uint32) >> 16
+    w = w.astype(np.uint16)
+    b = rng.standard_normal(64).astype(np.float32)
+    for v in range(2, version + 1):
+        step = np.random.default_rng(v)
+        idx = step.choice(w.size, w.size // 100, replace=False)
+        w[idx] += 1
+        b[v % 64] += 0.5
+    return [("model.w", "bfloat16", (w.size,), w), ("model.b", "float32", (64,), b)]
+
+
+def _flat(version: int) -> bytes:
+    from laminar_common.relay.manifests import build_manifest, flatten
+
+    m, buffers = build_manifest(version, _model(version))
+    return bytes(flatten(m, buffers))
+
+
+def test_delta_versions_rebuild_bit_exact_for_every_kind_of_reader(cluster):
+    """Deltas travel the chain like full versions. A reader one version behind takes
+    one delta; several behind, the deltas in between; a new reader, the full version
+    and the deltas after it; every result is checked against the full version's
+    checksums and equals the trainer's published bytes. A restarted relay is caught up
+    with the newest full version and its deltas."""
+    c = cluster()
+    names = ["d0", "d1", "d2"]
+    for name in names:
+        c.start(name)
+    c.wait_chain(names)
+    pub = RelayClient(c.coord, client_id="trainer", delta_full_every=4)
+    readers = []
+
+    def reader(name: str) -> RelayClient:
+        readers.append(RelayClient(c.coord, client_id=name, use_shared_memory=False))
+        return readers[-1]
+
+    try:
+        sent = {v: pub.publish(v, _model(v)) for v in (1, 2, 3, 4)}
+        full_bytes = sent[1].manifest.total_bytes
+        assert sent[1].manifest.full is None
+        for v in (2, 3, 4):  # deltas against the version before, about 2% of the bytes
+            m = sent[v].manifest
+            assert (m.base_version, m.full.version) == (v - 1, v), m
+            assert sent[v].total_bytes < 0.05 * full_bytes, (v, sent[v].total_bytes)
+        c.wait_version(4, names)
+
+        one, several, new = reader("one-behind"), reader("several-behind"), reader("new")
+        with one.fetch(3, relay="d2") as have3:
+            assert have3.source == "delta" and bytes(have3.buffer) == _flat(3)
+            got = one.fetch(4, relay="d2", base=have3)
+        assert (got.source, got.version, got.wire_bytes) == ("delta", 4, sent[4].total_bytes)
+        assert bytes(got.buffer) == _flat(4)
+        have2 = several.fetch(2, relay="d1")
+        got = several.fetch(4, relay="d1", base=have2)
+        assert got.wire_bytes == sent[3].total_bytes + sent[4].total_bytes
+        assert bytes(got.buffer) == _flat(4)
+        got = new.fetch(relay="d2")
+        assert got.version == 4 and bytes(got.buffer) == _flat(4)
+        assert got.wire_bytes == full_bytes + sum(sent[v].total_bytes for v in (2, 3, 4))
+
+        # Version 5 is full again (every 4th), 6 a delta; retention keeps 5 and 6.
+        sent[5], sent[6] = pub.publish(5, _model(5)), pub.publish(6, _model(6))
+        assert sent[5].manifest.full is None and sent[6].manifest.base_version == 5
+        c.wait_version(6, names)
+        deadline_wait(lambda: all(c.client.health(n).versions == (5, 6) for n in names),
+                      10, "retention to keep versions 5 and 6 only")
+        got = new.fetch(base=got)  # 4 is no base for 6: full 5 + delta 6
+        assert got.wire_bytes == full_bytes + sent[6].total_bytes
+        assert bytes(got.buffer) == _flat(6)
+
+        # A relay restarted at the same id is offered the newest full version and its delta.
+        c.procs["d2"].kill()
+        c.wait_chain(["d0", "d1"])
+        c.start("d2")
+        c.wait_chain(names)
+        c.wait_version(6, ["d2"])
+        assert 5 in c.client.health("d2").versions
+        with reader("after-restart").fetch(relay="d2") as got:
+            assert bytes(got.buffer) == _flat(6)
+
+        # A delta taken against the wrong base (the publisher's copy of version 6 holds
+        # other bytes: here already version 7's, so the delta is empty) is refused by
+        # every reader: the rebuilt bytes fail the full version's checksums.
+        pub._delta_base.flat[:] = _flat(7)
+        sent[7] = pub.publish(7, _model(7))
+        assert sent[7].manifest.base_version == 6
+        c.wait_version(7, names)
+        with pytest.raises(LaminarError, match=r"delta version 7 over base 6 does not rebuild"):
+            reader("refuses").fetch(7, relay="d1")
+    finally:
+        pub.close()
+        for r in readers:
+            r.close()

@@ -23,9 +23,11 @@ Invariants:
 
 - One forwarding thread per relay; versions go downstream one at a time in
   increasing order. When several are pending, only the newest is sent (older
-  ones are superseded; readers want the newest).
+  ones are superseded; readers want the newest), with the versions it is
+  rebuilt from when it is a delta (its base chain down to a full version).
 - When the downstream changes, the new downstream is offered the newest
-  version here (catch-up); a relay that already holds it declines.
+  version here and its base chain (catch-up); a relay that already holds a
+  version declines it.
 - A failed forward never affects this relay's own store or its readers.
 """
 
@@ -153,7 +155,8 @@ class ChainForwarder:
             if member is not None:
                 candidates = self._store.versions() + self._store.receiving()
                 if candidates:
-                    self._pending.setdefault(max(candidates), 0)
+                    for v in self._store.chain(max(candidates)):
+                        self._pending.setdefault(v, 0)
             self._cond.notify_all()
 
     def offer(self, version: int) -> None:
@@ -173,10 +176,17 @@ class ChainForwarder:
                     self._cond.wait()
                 if self._stop.is_set():
                     return
-                version = max(self._pending)
-                attempts = self._pending.pop(version)
-                for old in [v for v in self._pending if v < version]:
+                # The newest pending version, preceded by the versions it is rebuilt
+                # from (a delta's base chain); older pending versions are superseded.
+                needed = set(self._store.chain(max(self._pending)))
+                for old in [v for v in self._pending if v not in needed
+                            and v < max(self._pending)]:
                     del self._pending[old]
+                for v in needed:
+                    if v < max(self._pending) and v > self.forwarded_version:
+                        self._pending.setdefault(v, 0)
+                version = min(self._pending)
+                attempts = self._pending.pop(version)
                 target = self._downstream
                 assert target is not None
                 self.forwarding = version

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import msgspec
 
 from laminar_common.auth import CurveAuth, TlsFiles, grpc_channel
 from laminar_common.codec import WeightManifest
@@ -63,11 +64,15 @@ from laminar_common.membership import Coordinator, VersionRecord
 from laminar_common.net import host_identity
 from laminar_common.relay.manifests import (
     DEFAULT_ALIGNMENT,
+    DEFAULT_CHECKSUM,
     DEFAULT_CHUNK_BYTES,
     ChunkPayload,
     NamedBuffer,
     as_named_buffers,
+    build_manifest,
     checksum,
+    digest_of,
+    flatten,
     iter_chunks,
     plan_chunks,
     plan_tensors,
@@ -149,8 +154,11 @@ class FetchedWeights:
     """A complete weight version, readable as one flat buffer or per tensor.
 
     ``source`` is ``"shm"`` when ``buffer`` maps the relay's shared memory (no
-    copy; the relay keeps the version until :meth:`release`), or ``"stream"``
-    when the bytes were copied over the network into this process.
+    copy; the relay keeps the version until :meth:`release`), ``"stream"``
+    when the bytes were copied over the network into this process, or
+    ``"delta"`` when the version was rebuilt here from a base version and one
+    or more delta versions (verified against the full version's checksums).
+    ``wire_bytes`` counts the version bytes read to get it (deltas included).
     Use as a context manager, or call :meth:`release` once the weights are
     loaded; the buffer stays readable afterwards, but the relay may then drop
     the version.
@@ -163,12 +171,14 @@ class FetchedWeights:
         source: str,
         relay_id: str,
         release: Callable[[], None] | None = None,
+        wire_bytes: int | None = None,
     ) -> None:
         self.manifest = manifest
         self.buffer = buffer
         self.source = source
         self.relay_id = relay_id
         self._release = release
+        self.wire_bytes = manifest.total_bytes if wire_bytes is None else wire_bytes
 
     @property
     def version(self) -> int:
@@ -201,6 +211,17 @@ class _Backoff:
         return random.uniform(delay / 2, delay)
 
 
+@dataclass(slots=True)
+class _DeltaBase:
+    """The version a publisher's next delta is taken against."""
+
+    version: int
+    manifest: WeightManifest
+    flat: bytearray
+    master_id: str
+    since_full: int
+
+
 class _MasterChanged(TransportError):
     """The relay a publish was talking to is no longer the master (it stopped answering)."""
 
@@ -227,6 +248,13 @@ class RelayClient:
         use_shared_memory: map a same-host relay's memory instead of streaming.
         tls: CA (and client certificate for mutual TLS) to reach relays over TLS.
         curve: CURVE keys for the weight data plane (a publisher pushes chunks over it).
+        delta_full_every: 0 publishes every version in full. K > 0 publishes a
+            version as a delta against the one this client published before
+            (:mod:`laminar_common.relay.delta`), with a full version every K
+            versions, and also whenever the master relay changed, the layout
+            changed, or the delta would be at least half the full version's
+            bytes (``publish(full=True)`` asks for one). Costs one host copy of
+            the published version, kept as the next delta's base.
     """
 
     def __init__(
@@ -248,6 +276,7 @@ class RelayClient:
         use_shared_memory: bool = True,
         tls: TlsFiles | None = None,
         curve: CurveAuth | None = None,
+        delta_full_every: int = 0,
     ) -> None:
         if (coordinator is None) == (address is None):
             raise ValueError("give exactly one of coordinator or address")
@@ -266,6 +295,12 @@ class RelayClient:
         self.use_shared_memory = use_shared_memory
         self.shm_fallbacks = 0
         """Same-host fetches that had to stream because shared memory was unusable."""
+        self.delta_fetches = 0
+        """Versions this client rebuilt from deltas."""
+        if delta_full_every < 0:
+            raise ValueError(f"delta_full_every must be >= 0, got {delta_full_every}")
+        self.delta_full_every = delta_full_every
+        self._delta_base: _DeltaBase | None = None
         self.tls = tls
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
@@ -370,7 +405,8 @@ class RelayClient:
     # -- publish ------------------------------------------------------------
 
     def publish(
-        self, version: int, tensors: Iterable[TensorLike], *, trainer_step: int = -1
+        self, version: int, tensors: Iterable[TensorLike], *, trainer_step: int = -1,
+        full: bool = False,
     ) -> PublishResult:
         """Hand one weight version to the master relay.
 
@@ -383,6 +419,7 @@ class RelayClient:
                 :class:`~laminar_common.relay.manifests.NamedBuffer` s; buffers must
                 stay unchanged until this returns.
             trainer_step: recorded with the version.
+            full: publish in full even where a delta could go (``delta_full_every``).
 
         Raises:
             VersionConflictError: ``version`` is not newer than the published one.
@@ -404,16 +441,25 @@ class RelayClient:
             chunks=plan_chunks(total, self.chunk_bytes),
             created_at=time.time(),
             trainer_step=trainer_step,
+            checksum_algo=DEFAULT_CHECKSUM,
         )
         start = time.monotonic()
         deadline = start + self.publish_timeout_s
         backoff = _Backoff(initial=0.2)
         last: LaminarError | None = None
         with self._publish_lock:
+            delta = None
+            if self.delta_full_every > 0:
+                layout, buffers, delta = self._delta_candidate(layout, buffers, full)
             for attempt in range(1, self.max_attempts + 1):
                 relay = self._master(deadline)
+                sent_layout, sent_buffers = layout, buffers
+                if delta is not None and delta[0].base_version >= 0 \
+                        and self._delta_base is not None \
+                        and relay.member_id == self._delta_base.master_id:
+                    sent_layout, sent_buffers = delta[0], delta[1]
                 try:
-                    manifest = self._publish_once(relay, layout, buffers, deadline)
+                    manifest = self._publish_once(relay, sent_layout, sent_buffers, deadline)
                 except (NotMasterError, TransportError, EtcdUnavailableError) as exc:
                     if isinstance(exc, NotMasterError) and self._coord is None:
                         raise  # a fixed address cannot be re-resolved
@@ -433,11 +479,16 @@ class RelayClient:
                     )
                     continue
                 self._suspect = None
+                if delta is not None:  # the next delta is taken against this version
+                    since = self._delta_base.since_full + 1 \
+                        if sent_layout is not layout and self._delta_base is not None else 0
+                    self._delta_base = _DeltaBase(version, delta[2], delta[3], relay.member_id,
+                                                  since)
                 return PublishResult(
                     version,
                     relay.member_id,
-                    total,
-                    len(layout.chunks),
+                    sent_layout.total_bytes,
+                    len(sent_layout.chunks),
                     time.monotonic() - start,
                     attempt,
                     manifest,
@@ -446,6 +497,37 @@ class RelayClient:
             f"publish of weight version {version} did not reach a master relay "
             f"({self.max_attempts} attempts, {self.publish_timeout_s:.0f}s): {last}"
         ) from last
+
+    def _delta_candidate(self, layout: WeightManifest, buffers: list[NamedBuffer], full: bool):
+        """``(layout, buffers, (delta layout, delta buffers, full manifest, flat))``.
+
+        The full version is laid out as one flat copy (the next delta's base); the
+        delta is against the previous version this client published, or has
+        ``base_version`` -1 when this version must go in full.
+        """
+        from laminar_common.relay.delta import encode_delta, same_layout
+
+        full_manifest, _ = build_manifest(
+            layout.version, buffers, chunk_bytes=self.chunk_bytes, alignment=self.alignment,
+            trainer_step=layout.trainer_step, created_at=layout.created_at)
+        flat = flatten(full_manifest, buffers)
+        flat_buffers = [NamedBuffer(t.name, t.dtype, t.shape,
+                                    memoryview(flat)[t.offset : t.offset + t.nbytes])
+                        for t in full_manifest.tensors]
+        prev = self._delta_base
+        none = msgspec.structs.replace(layout, base_version=-1)
+        if full or prev is None or not same_layout(prev.manifest, full_manifest) \
+                or prev.since_full + 1 >= self.delta_full_every or prev.version >= layout.version:
+            return layout, flat_buffers, (none, [], full_manifest, flat)
+        parts = as_named_buffers(encode_delta(prev.version, full_manifest, prev.flat, flat))
+        specs, total = plan_tensors(parts, self.alignment)
+        if total * 2 >= full_manifest.total_bytes:
+            return layout, flat_buffers, (none, [], full_manifest, flat)
+        delta_layout = msgspec.structs.replace(
+            layout, total_bytes=total, tensors=specs,
+            chunks=plan_chunks(total, self.chunk_bytes), base_version=prev.version,
+            full=full_manifest)
+        return layout, flat_buffers, (delta_layout, parts, full_manifest, flat)
 
     def publish_async(
         self, version: int, tensors: Iterable[TensorLike], *, trainer_step: int = -1
@@ -471,7 +553,7 @@ class RelayClient:
 
         def work(p: ChunkPayload) -> tuple[int, bytes, Any]:
             data = p.contiguous()
-            return p.index, hashlib.blake2b(data, digest_size=16).digest(), data
+            return p.index, digest_of(data, layout.checksum_algo), data
 
         window: collections.deque[Future] = collections.deque()
         try:
@@ -561,8 +643,14 @@ class RelayClient:
         wait_s: float = 30.0,
         verify: bool | None = None,
         relay: str | None = None,
+        base: FetchedWeights | None = None,
     ) -> FetchedWeights:
         """Read one complete weight version.
+
+        A version published as a delta (:mod:`laminar_common.relay.delta`) is
+        rebuilt here: over ``base`` when the delta applies to it, else over its
+        own base version, fetched the same way (down to a full version). The
+        result is always checked against the full version's checksums.
 
         Args:
             version: the version to read; ``None`` for the latest (from etcd
@@ -573,6 +661,8 @@ class RelayClient:
                 that crossed the network, no for same-host shared memory
                 (the relay verified them when it stored them).
             relay: read from this relay only (member id or ``host:port``).
+            base: a version this reader holds in its own memory (not a
+                shared-memory mapping), for deltas to apply to.
 
         Raises:
             VersionNotFoundError: no relay holds the version (or none is published).
@@ -597,10 +687,14 @@ class RelayClient:
         last: LaminarError | None = None
         for i, ref in enumerate(candidates):
             try:
-                return self._fetch_from(ref, version, wait_s if i == 0 else 0.0, verify)
+                fetched = self._fetch_from(ref, version, wait_s if i == 0 else 0.0, verify)
             except (VersionNotFoundError, TransportError) as exc:
                 errors.append(f"{ref.member_id}: {exc}")
                 last = exc
+                continue
+            if fetched.manifest.full is None:
+                return fetched
+            return self._rebuild(fetched, base, wait_s, verify)
         what = "the latest version" if version is None else f"weight version {version}"
         cls = VersionNotFoundError if isinstance(last, VersionNotFoundError) else TransportError
         raise cls(f"could not fetch {what} from any relay: " + "; ".join(errors)) from last
@@ -640,6 +734,33 @@ class RelayClient:
         release()
         return FetchedWeights(manifest, memoryview(buf), "stream", relay_id)
 
+    def _rebuild(self, delta: FetchedWeights, base: FetchedWeights | None, wait_s: float,
+                 verify: bool | None) -> FetchedWeights:
+        """The full version a fetched delta stands for, over ``base`` or its own base."""
+        from laminar_common.relay.delta import apply_delta
+
+        m = delta.manifest
+        try:
+            if base is not None and base.version == m.base_version \
+                    and base.manifest.full is None and base.source != "shm":
+                under, own = base, False
+            else:
+                if base is not None and base.version > m.base_version:
+                    base = None  # a newer base is no use further down the chain
+                under, own = self.fetch(m.base_version, wait_s=wait_s, verify=verify,
+                                        base=base), True
+            try:
+                out = apply_delta(m, delta.buffer, under.buffer)
+            finally:
+                if own:
+                    under.release()
+        finally:
+            delta.release()
+        assert m.full is not None
+        wire = delta.wire_bytes + (under.wire_bytes if own else 0)
+        self.delta_fetches += 1
+        return FetchedWeights(m.full, memoryview(out), "delta", delta.relay_id, wire_bytes=wire)
+
     def _shm_fallback(self, why: str) -> None:
         """Same host, but the relay's shared memory is not usable: stream (slower).
 
@@ -671,7 +792,8 @@ class RelayClient:
         else:
             first = manifest.chunks[0]
             # Identity check: a same-named host with another relay must not pass.
-            if checksum(view[first.offset : first.offset + first.nbytes]) != first.checksum:
+            first_bytes = view[first.offset : first.offset + first.nbytes]
+            if checksum(first_bytes, manifest.checksum_algo) != first.checksum:
                 log.warning(
                     "relay shared memory %s does not hold version %d; streaming instead",
                     path,
@@ -700,7 +822,7 @@ class RelayClient:
                     raise ProtocolError(f"{what}: got chunk {chunk.index}, expected {expected}")
                 spec = manifest.chunks[expected]
                 if verify:
-                    verify_chunk(spec, chunk.data)
+                    verify_chunk(spec, chunk.data, manifest.checksum_algo)
                 elif len(chunk.data) != spec.nbytes:
                     raise ProtocolError(f"{what}: chunk {expected} has {len(chunk.data)} bytes")
                 out[spec.offset : spec.offset + spec.nbytes] = chunk.data
