@@ -265,12 +265,21 @@ class Chain:
                 p.wait()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def broadcast_once(client, names: list[str], version: int, tensors, poll_s: float = 0.05):
-    """Publish one version; return (stall_s, broadcast_s).
+    """Publish one version; return (stall_s, broadcast_s, stages).
 
     Broadcast ends at the latest time any relay sealed the version, as the
     relays themselves recorded it (``Health.sealed_at``), so slow polling here
-    does not add to it or steal CPU from the relays.
+    does not add to it or steal CPU from the relays. ``stages`` has, per relay
+    in chain order, when its session opened, its first chunk was stored and
+    it sealed the version (seconds after the publish started).
     """
     start = time.time()
     t0 = time.perf_counter()
@@ -278,17 +287,21 @@ def broadcast_once(client, names: list[str], version: int, tensors, poll_s: floa
     stall = time.perf_counter() - t0
     assert result.version == version
     deadline = time.monotonic() + 300
-    sealed: dict[str, float] = {}
+    sealed: dict[str, object] = {}
     while len(sealed) < len(names):
         if time.monotonic() > deadline:
             raise RuntimeError(f"version {version} did not reach every relay")
         for name in names:
             if name not in sealed:
-                at = client.health(name).sealed_at.get(version)
-                if at is not None:
-                    sealed[name] = at
+                health = client.health(name)
+                if version in health.sealed_at:
+                    sealed[name] = health
         time.sleep(poll_s)
-    return stall, max(sealed.values()) - start
+    order = list(next(iter(sealed.values())).chain) or names
+    stages = [(name, sealed[name].begun_at[version] - start,
+               sealed[name].first_chunk_at[version] - start,
+               sealed[name].sealed_at[version] - start) for name in order]
+    return stall, max(h.sealed_at[version] for h in sealed.values()) - start, stages
 
 
 def main() -> int:
@@ -317,6 +330,13 @@ def main() -> int:
         default=0.0,
         help="pace every relay-to-relay link to this many MB/s (simulates a network "
         "slower than the CPUs, to show the pipelining; 0: no pacing)",
+    )
+    p.add_argument(
+        "--gap-s",
+        type=float,
+        default=1.0,
+        help="idle time before each measured publish, as between training steps "
+        "(relays prepare the next version's buffer meanwhile; default 1.0)",
     )
     p.add_argument(
         "--dataplanes",
@@ -356,8 +376,15 @@ def main() -> int:
         f"ideal (raw single-stream loopback socket copy, best of 2): {ideal:.3f} s "
         f"= {size / ideal / 1e9:.2f} GB/s"
     )
+    zmq_times = [measure_transport("zmq", data, chunk) for _ in range(3)]
+    zmq_plane = min(zmq_times)
+    print(
+        f"data plane zmq : best {zmq_plane:.3f} s = {size / zmq_plane / 1e9:.2f} GB/s "
+        f"(x{zmq_plane / ideal:.2f} ideal; runs: {', '.join(f'{t:.3f}' for t in zmq_times)}); "
+        "the relay's data plane on its own: x zmq below is the relay's cost over it"
+    )
     if args.dataplanes:
-        for kind in ("zmq", "grpc"):
+        for kind in ("grpc",):
             times = [measure_transport(kind, data, chunk) for _ in range(3)]
             best = min(times)
             print(
@@ -380,8 +407,10 @@ def main() -> int:
                 f"({'every relay' if verify else 'only the master'} checksums every chunk)"
             )
             print(
-                f"{'N':>3} {'broadcast_s':>12} {'GB/s':>6} {'x ideal':>8} {'x N=1':>6} "
-                f"{'stall_s':>8}" + (f" {'model_s':>8}" if link else "")
+                f"{'N':>3} {'broadcast_s':>12} {'GB/s':>6} {'x ideal':>8} {'x zmq':>6} "
+                f"{'x N=1':>6} {'stall_s':>8} {'wire_MiB':>8} {'pub_cpu':>6} "
+                f"{'relay_cpu_s':>{5 * max(ns) + 4}} {'cpu/ncpu':>7}"
+                + (f" {'model_s':>8}" if link else "")
             )
             base = None
             for n in ns:
@@ -393,10 +422,17 @@ def main() -> int:
                 )
                 try:
                     chain.wait_ready(client)
-                    results = [
-                        broadcast_once(client, chain.names, v, tensors)
-                        for v in range(1, args.repeat + 1)
-                    ]
+                    # Version 1 warms the chain up (first connections, first buffers) and
+                    # is not counted; between the measured versions the chain idles for
+                    # --gap-s, as it does between training steps.
+                    broadcast_once(client, chain.names, 1, tensors)
+                    results, cpus = [], []
+                    pids = [os.getpid()] + [p.pid for p in chain.procs]
+                    for v in range(2, args.repeat + 2):
+                        time.sleep(args.gap_s)
+                        before = [cpu_seconds(pid) for pid in pids]
+                        results.append(broadcast_once(client, chain.names, v, tensors))
+                        cpus.append([cpu_seconds(pid) - b for pid, b in zip(pids, before)])
                 except Exception as exc:  # noqa: BLE001 - report and go on with the next N
                     print(f"{n:>3} FAILED: {exc} (logs in {log_dir})")
                     failed = True
@@ -407,14 +443,22 @@ def main() -> int:
                     chain.stop()
                 stall = statistics.median(r[0] for r in results)
                 bcast = statistics.median(r[1] for r in results)
+                cpu = [statistics.median(c[i] for c in cpus) for i in range(len(pids))]
                 base = base or bcast
                 model = ""
                 if link and n >= 2:
                     model = f" {(size + (n - 2) * chunk) / link:>8.3f}"
                 print(
                     f"{n:>3} {bcast:>12.3f} {size / bcast / 1e9:>6.2f} {bcast / ideal:>8.2f} "
-                    f"{bcast / base:>6.2f} {stall:>8.3f}{model}"
+                    f"{bcast / zmq_plane:>6.2f} {bcast / base:>6.2f} {stall:>8.3f} "
+                    f"{n * size / MiB:>8.0f} {cpu[0]:>6.2f} "
+                    f"{' '.join(f'{c:.2f}' for c in cpu[1:]):>{5 * n + 4}} "
+                    f"{sum(cpu) / (os.cpu_count() or 1):>7.3f}{model}"
                 )
+                stages = results[-1][2]
+                print("      hops (s after publish start: opened / first chunk stored / sealed): "
+                      + " | ".join(f"{i}: {b:.3f} / {f:.3f} / {e:.3f}"
+                                   for i, (_, b, f, e) in enumerate(stages)))
     if not failed:
         shutil.rmtree(log_dir, ignore_errors=True)
     return 1 if failed else 0

@@ -470,6 +470,8 @@ class RelayService(Service):
             rejected=rejected,
             serving=self.state == "running",
             sealed_at=stats["sealed_at"],
+            begun_at=stats["begun_at"],
+            first_chunk_at=stats["first_chunk_at"],
         )
 
 

@@ -147,6 +147,8 @@ class RelayHealth:
     serving: bool
     rejected: dict[str, int] = field(default_factory=dict)
     sealed_at: dict[int, float] = field(default_factory=dict)
+    begun_at: dict[int, float] = field(default_factory=dict)
+    first_chunk_at: dict[int, float] = field(default_factory=dict)
     """Unix time at which each version held was sealed on this relay."""
 
 
@@ -885,6 +887,8 @@ class RelayClient:
             serving=r.serving,
             rejected=dict(r.rejected),
             sealed_at=dict(r.sealed_at),
+            begun_at=dict(r.begun_at),
+            first_chunk_at=dict(r.first_chunk_at),
         )
 
     def close(self) -> None:

@@ -198,7 +198,7 @@ class LatestReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., trainer_step: _Optional[int] = ..., relay_id: _Optional[str] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("relay_id", "master", "master_id", "versions", "receiving", "upstream_id", "downstream_id", "chain", "used_bytes", "max_bytes", "readers", "protocol_version", "package_version", "data_endpoint", "forwarded_version", "rejected", "serving", "sealed_at")
+    __slots__ = ("relay_id", "master", "master_id", "versions", "receiving", "upstream_id", "downstream_id", "chain", "used_bytes", "max_bytes", "readers", "protocol_version", "package_version", "data_endpoint", "forwarded_version", "rejected", "serving", "sealed_at", "begun_at", "first_chunk_at")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,20 @@ class HealthReply(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class SealedAtEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class BegunAtEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class FirstChunkAtEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +245,8 @@ class HealthReply(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     SEALED_AT_FIELD_NUMBER: _ClassVar[int]
+    BEGUN_AT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_AT_FIELD_NUMBER: _ClassVar[int]
     relay_id: str
     master: bool
     master_id: str
@@ -249,7 +265,9 @@ class HealthReply(_message.Message):
     rejected: _containers.ScalarMap[str, int]
     serving: bool
     sealed_at: _containers.ScalarMap[int, float]
-    def __init__(self, relay_id: _Optional[str] = ..., master: bool = ..., master_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., receiving: _Optional[_Iterable[int]] = ..., upstream_id: _Optional[str] = ..., downstream_id: _Optional[str] = ..., chain: _Optional[_Iterable[str]] = ..., used_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., readers: _Optional[int] = ..., protocol_version: _Optional[int] = ..., package_version: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., forwarded_version: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., serving: bool = ..., sealed_at: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    begun_at: _containers.ScalarMap[int, float]
+    first_chunk_at: _containers.ScalarMap[int, float]
+    def __init__(self, relay_id: _Optional[str] = ..., master: bool = ..., master_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., receiving: _Optional[_Iterable[int]] = ..., upstream_id: _Optional[str] = ..., downstream_id: _Optional[str] = ..., chain: _Optional[_Iterable[str]] = ..., used_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., readers: _Optional[int] = ..., protocol_version: _Optional[int] = ..., package_version: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., forwarded_version: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., serving: bool = ..., sealed_at: _Optional[_Mapping[int, float]] = ..., begun_at: _Optional[_Mapping[int, float]] = ..., first_chunk_at: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
