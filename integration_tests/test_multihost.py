@@ -76,7 +76,8 @@ def _job(run_dir: Path, auth: dict | None) -> dict:
         "command": ["laminar-trainer", "run"],
         "config": on("a", "trainer", trainer_id="trainer",
                      simulate={"step_s": 0.3, "weight_bytes": 1 << 20}, batch_groups=GROUPS,
-                     total_steps=STEPS, run_dir="{run_dir}/trainer")}
+                     total_steps=STEPS, run_dir="{run_dir}/trainer",
+                     publish_delta_full_every=4)}
     setup = [["laminar", "prompts", "--task", "sort", "--n", "500", "--split", "train",
               "--out", "{run_dir}/train.jsonl"]]
     if auth and "dir" in auth:
@@ -120,6 +121,10 @@ def test_three_hosts_train_exactly_once_and_read_weights_from_their_own_hosts_re
         assert up.proc.wait(120) == 0
     finally:
         up.stop(grace_s=30)
+    # Versions after the first went as deltas (full every 4th); workers rebuilt them.
+    for h in ("b", "c"):
+        text = (run_dir / "logs" / f"worker-{h}.log").read_text()
+        assert "rebuilt from deltas" in text, text[-2000:]
     trainer_dir = run_dir / "trainer"
     consumed = consumed_ids(trainer_dir)
     assert len(consumed) == len(set(consumed)) == STEPS * GROUPS * GROUP_SIZE

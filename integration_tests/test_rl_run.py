@@ -133,7 +133,9 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
                                                                       warm):
     """The trainer under torchrun (2 gloo ranks, FSDP2) in the real stack: the weights
     gathered from the shards reach the relay and the worker, and its full-state
-    checkpoint resumes in one process."""
+    checkpoint resumes in one process. Versions go as deltas (a full one every 3rd):
+    the last one, rebuilt by a new reader from the full version 3 and the delta 4, is
+    the last checkpoint's weights bit for bit."""
     job = "rl-fsdp"
     run_dir, ckpt, state_dir = tmp_path / "trainer", tmp_path / "ckpt", tmp_path / "manager"
     manager, worker = _rollout_tiers(etcd, spawn, job, warm, state_dir)
@@ -143,7 +145,8 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
                     "--set", f"run_dir={run_dir}", "--set", f"checkpoint.dir={ckpt}",
                     "--set", "checkpoint.every_steps=2", "--set", "device=cpu",
                     "--set", f"eval.prompts={warm / 'eval.jsonl'}",
-                    "--set", "eval.max_new_tokens=10", "--set", "eval.every_steps=2"]
+                    "--set", "eval.max_new_tokens=10", "--set", "eval.every_steps=2",
+                    "--set", "publish_delta_full_every=3"]
     trainer = spawn("trainer", "torch.distributed.run", "--nproc-per-node", "2",
                     "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                     "-m", "laminar_trainer.cli", *trainer_args,
@@ -172,6 +175,7 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
         client = RelayClient(coord, client_id="test-reader")
         with client.fetch(wait_s=10, verify=True) as fetched:
             assert fetched.version == summary["version"]
+            assert fetched.source == "delta", fetched.source
             published = {t.name: (t.dtype, tuple(t.shape)) for t in fetched.manifest.tensors}
             views = {name: bytes(view) for name, view in fetched.tensors().items()}
     finally:

@@ -304,6 +304,82 @@ def broadcast_once(client, names: list[str], version: int, tensors, poll_s: floa
     return stall, max(h.sealed_at[version] for h in sealed.values()) - start, stages
 
 
+# -- delta versions over real optimizer updates -------------------------------------
+
+MODELS = {
+    # name: (transformers config class, kwargs); random init, real shapes.
+    "demo": ("LlamaConfig", dict(vocab_size=64, hidden_size=128, intermediate_size=384,
+                                 num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=4, max_position_embeddings=64,
+                                 tie_word_embeddings=False)),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(vocab_size=151936, hidden_size=896,
+                                         intermediate_size=4864, num_hidden_layers=24,
+                                         num_attention_heads=14, num_key_value_heads=2,
+                                         max_position_embeddings=32768,
+                                         tie_word_embeddings=True)),
+}
+
+
+def delta_sequence(model_name: str, lr: float, steps: int, seq_len: int = 64,
+                   batch: int = 4) -> None:
+    """Real AdamW steps on ``model_name`` (random init, a language-modelling loss on
+    random tokens); after each step the bf16 weights as the trainer publishes them,
+    and the delta against the previous version, as the relay client builds it."""
+    import torch
+    import transformers
+
+    from laminar_common.relay.delta import apply_delta, encode_delta
+    from laminar_common.relay.manifests import as_named_buffers, build_manifest, flatten
+
+    torch.manual_seed(0)
+    cls_name, kwargs = MODELS[model_name]
+    config = getattr(transformers, cls_name)(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"\ndelta versions: {model_name} ({n_params / 1e6:.1f}M parameters, random init), "
+          f"AdamW lr={lr:g}, {steps} steps of a language-modelling loss on random tokens "
+          f"(batch {batch} x {seq_len}); published as bfloat16")
+    print(f"{'version':>7} {'full_MiB':>9} {'delta_MiB':>10} {'fraction':>9} {'changed':>8} "
+          f"{'encode_s':>8} {'apply_s':>8}")
+
+    def publish_form(version):
+        tensors = [(n, "bfloat16", tuple(t.shape),
+                    t.detach().to(torch.bfloat16).contiguous().view(torch.uint8).numpy())
+                   for n, t in model.state_dict().items()]
+        m, buffers = build_manifest(version, tensors)
+        return m, flatten(m, buffers)
+
+    prev_m, prev = publish_form(0)
+    for version in range(1, steps + 1):
+        ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        full, flat = publish_form(version)
+        t0 = time.perf_counter()
+        parts = as_named_buffers(encode_delta(version - 1, full, prev, flat))
+        delta, dbuf = build_manifest(version, parts)
+        t1 = time.perf_counter()
+        import msgspec
+
+        delta = msgspec.structs.replace(delta, base_version=version - 1, full=full)
+        dflat = flatten(delta, dbuf)
+        t2 = time.perf_counter()
+        rebuilt = apply_delta(delta, dflat, prev)
+        t3 = time.perf_counter()
+        assert rebuilt == flat, "delta did not rebuild the version bit for bit"
+        changed = sum(t.shape[0] for t in delta.tensors if t.name.endswith("#delta.val"))
+        print(f"{version:>7} {full.total_bytes / MiB:>9.1f} {delta.total_bytes / MiB:>10.2f} "
+              f"{delta.total_bytes / full.total_bytes:>9.2%} {changed / n_params:>8.2%} "
+              f"{t1 - t0:>8.3f} {t3 - t2:>8.3f}")
+        prev_m, prev = full, flat
+    del prev_m
+    print("every rebuilt version equals the published bytes (bit-exact); a chain of N relays "
+          "moves N x the delta's bytes for a delta version instead of N x the full version's")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--_receiver":
         kind, port, size, chunk = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -337,6 +413,12 @@ def main() -> int:
         default=1.0,
         help="idle time before each measured publish, as between training steps "
         "(relays prepare the next version's buffer meanwhile; default 1.0)",
+    )
+    p.add_argument(
+        "--deltas",
+        default="",
+        help="also measure delta versions over real optimizer updates: MODEL:LR:STEPS,... "
+        f"with MODEL one of {', '.join(MODELS)} (e.g. demo:2e-4:5,qwen2.5-0.5b:1e-6:3)",
     )
     p.add_argument(
         "--dataplanes",
@@ -459,6 +541,9 @@ def main() -> int:
                 print("      hops (s after publish start: opened / first chunk stored / sealed): "
                       + " | ".join(f"{i}: {b:.3f} / {f:.3f} / {e:.3f}"
                                    for i, (_, b, f, e) in enumerate(stages)))
+    for spec in filter(None, args.deltas.split(",")):
+        model_name, lr, steps = spec.split(":")
+        delta_sequence(model_name, float(lr), int(steps))
     if not failed:
         shutil.rmtree(log_dir, ignore_errors=True)
     return 1 if failed else 0

@@ -7,6 +7,8 @@ import pytest
 
 from laminar_common.errors import ProtocolError
 from laminar_common.relay.delta import (
+    GAP_SUFFIX,
+    GZ_SUFFIX,
     IDX_SUFFIX,
     VAL_SUFFIX,
     apply_delta,
@@ -62,7 +64,9 @@ def test_a_delta_rebuilds_the_new_version_bit_for_bit_and_is_small():
     validate_manifest(delta)
     assert delta.total_bytes < 0.2 * full2.total_bytes
     names = {t.name for t in delta.tensors}
-    assert {"w" + IDX_SUFFIX, "w" + VAL_SUFFIX, "b" + IDX_SUFFIX} <= names
+    # 2% of "w" changed: gaps of ~50 elements, zlib-compressed; "b" and "e" are too short
+    # for compression to pay.
+    assert {"w" + GZ_SUFFIX, "w" + VAL_SUFFIX, "b" + GAP_SUFFIX, "e" + GAP_SUFFIX} <= names
     assert apply_delta(delta, dflat, flat1) == flat2  # -0.0 vs 0.0 counted as a change
     # Through the relay's protobuf form and back, unchanged.
     assert manifest_from_proto(manifest_to_proto(delta)) == delta
@@ -114,7 +118,7 @@ def test_a_malformed_delta_manifest_is_refused_with_the_field():
     extra = build_manifest(2, [("#delta", "uint64", (1,), np.zeros(1, np.uint64)),
                                ("w" + VAL_SUFFIX, "uint16", (2,), np.zeros(2, np.uint16)),
                                ])[0]
-    with pytest.raises(ProtocolError, match=r"'w#delta.val' has no matching 'w#delta.idx'"):
+    with pytest.raises(ProtocolError, match=r"'w#delta.val' has no index lists"):
         validate_manifest(msgspec.structs.replace(extra, base_version=1, full=delta.full))
     ghost = build_manifest(2, [("#delta", "uint64", (1,), np.zeros(1, np.uint64)),
                                ("zz" + IDX_SUFFIX, "uint32", (1,), np.zeros(1, np.uint32)),
@@ -137,4 +141,34 @@ def test_out_of_range_indices_are_refused_before_anything_is_written():
     d, dbuf = build_manifest(2, parts)
     d = msgspec.structs.replace(d, base_version=1, full=full2)
     with pytest.raises(ProtocolError, match=r"indices of 'e' are out of range"):
+        apply_delta(d, flatten(d, dbuf), flat1)
+
+
+def test_index_lists_that_do_not_decode_are_refused():
+    import zlib
+
+    import msgspec
+
+    rng = np.random.default_rng(5)
+    w1 = _weights(rng)
+    m1, b1 = _manifest(1, w1)
+    flat1 = flatten(m1, b1)
+    full2, _ = _manifest(2, _step(rng, w1))
+    for packed, message in [(b"not zlib at all", "does not decompress"),
+                            (zlib.compress(bytes(6)), r"holds other than the 2 gaps"),
+                            (zlib.compress(bytes(4) + b"tail"), r"holds other than the 2 gaps")]:
+        parts = [("#delta", "uint64", (1,), np.array([1], np.uint64)),
+                 ("w" + GZ_SUFFIX, "uint8", (len(packed),), packed),
+                 ("w" + VAL_SUFFIX, "uint16", (2,), np.array([1, 2], np.uint16))]
+        d, dbuf = build_manifest(2, parts)
+        d = msgspec.structs.replace(d, base_version=1, full=full2)
+        with pytest.raises(ProtocolError, match=message):
+            apply_delta(d, flatten(d, dbuf), flat1)
+    # Gaps are counted from the previous index: a zero gap after the first repeats one.
+    parts = [("#delta", "uint64", (1,), np.array([1], np.uint64)),
+             ("w" + GAP_SUFFIX, "uint16", (2,), np.array([5, 0], np.uint16)),
+             ("w" + VAL_SUFFIX, "uint16", (2,), np.array([1, 2], np.uint16))]
+    d, dbuf = build_manifest(2, parts)
+    d = msgspec.structs.replace(d, base_version=1, full=full2)
+    with pytest.raises(ProtocolError, match=r"indices of 'w' are out of range .* or not increasing"):
         apply_delta(d, flatten(d, dbuf), flat1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 
 from laminar_common.errors import ProtocolError, TransportError
-from laminar_common.relay.client import RelayClient
+from laminar_common.relay.client import FetchedWeights, RelayClient
 from laminar_common.relay.wire import VersionNotFoundError
 
 from .worker import FetchedVersion, WeightFetcher
@@ -26,24 +26,37 @@ def make_relay_fetcher(client: RelayClient, *, with_tensors: bool = True,
     A pull asks for "version ``v`` or newer": when ``v`` itself can no longer be
     had, the latest version is taken if it is at least ``v``.
 
+    Delta versions (a trainer with ``delta_full_every``): once a version came as
+    a delta, the fetcher keeps the version it loaded (its own copy, never a
+    shared-memory mapping) as the base the next delta applies to, so each later
+    pull moves only the delta's bytes. Until the first delta, nothing is kept.
+
     Args:
         with_tensors: False for the simulated engine (bytes are fetched, so the
             weight-wait is real, but nothing is loaded).
     """
 
+    held: list[FetchedWeights] = []  # the base for the next delta (at most one)
+
     def fetch(version: int) -> FetchedVersion:
+        base = held[0] if held else None
         try:
-            fetched = client.fetch(version, wait_s=wait_s)
+            fetched = client.fetch(version, wait_s=wait_s, base=base)
         except (VersionNotFoundError, TransportError) as exc:
             # The version may be gone (superseded, or its relay died): any newer one will do.
-            fetched = client.fetch(None, wait_s=wait_s)
+            fetched = client.fetch(None, wait_s=wait_s, base=base)
             if fetched.version < version:
                 fetched.release()
                 raise VersionNotFoundError(
                     f"weight version {version} is unavailable and the latest is "
                     f"{fetched.version}") from exc
+        if fetched.source == "delta" or (held and fetched.source == "stream"):
+            held[:] = [fetched]  # its own memory: the base of the next delta
+        else:
+            held.clear()
+        extra = {"wire_bytes": fetched.wire_bytes, "delta": fetched.source == "delta"}
         if not with_tensors:
-            return FetchedVersion(fetched.version, None, fetched.release)
+            return FetchedVersion(fetched.version, None, fetched.release, **extra)
         import torch
 
         views = fetched.tensors()
@@ -61,6 +74,6 @@ def make_relay_fetcher(client: RelayClient, *, with_tensors: bool = True,
                 flat = torch.frombuffer(views[spec.name], dtype=dtype) if spec.nbytes else \
                     torch.empty(0, dtype=dtype)
             tensors.append((spec.name, flat.reshape(spec.shape)))
-        return FetchedVersion(fetched.version, tensors, fetched.release)
+        return FetchedVersion(fetched.version, tensors, fetched.release, **extra)
 
     return fetch

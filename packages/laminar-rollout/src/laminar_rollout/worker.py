@@ -69,13 +69,17 @@ WeightFetcher = Callable[[int], "FetchedVersion"]
 
 class FetchedVersion:
     """One weight version ready to load: named tensors (None for the simulated
-    engine) and a ``release`` to call once the engine has copied them."""
+    engine) and a ``release`` to call once the engine has copied them.
+    ``wire_bytes``: version bytes moved to get it; ``delta``: rebuilt from deltas."""
 
     def __init__(self, version: int, tensors: Iterable[tuple[str, Any]] | None,
-                 release: Callable[[], None] | None = None) -> None:
+                 release: Callable[[], None] | None = None, *, wire_bytes: int = 0,
+                 delta: bool = False) -> None:
         self.version = version
         self.tensors = tensors
         self._release = release
+        self.wire_bytes = wire_bytes
+        self.delta = delta
 
     def release(self) -> None:
         release, self._release = self._release, None
@@ -221,6 +225,11 @@ class WorkerService(Service):
             Metric("exported_total", "counter", "trajectories handed back by repack",
                    c["exported"]),
             Metric("weight_loads_total", "counter", "weight versions loaded", c["weight_loads"]),
+            Metric("weight_delta_loads_total", "counter",
+                   "weight versions rebuilt from delta versions", c["weight_delta_loads"]),
+            Metric("weight_fetched_bytes_total", "counter",
+                   "version bytes fetched from relays (deltas count their own size)",
+                   c["weight_bytes"]),
             Metric("weight_version", "gauge", "policy version of the engine",
                    self.engine.weight_version),
             Metric("weight_wait_seconds_total", "counter", "time spent fetching + loading weights",
@@ -580,8 +589,11 @@ class WorkerService(Service):
         dt = time.monotonic() - t0
         self.weight_wait_s += dt
         self.counters["weight_loads"] += 1
+        self.counters["weight_bytes"] += fetched.wire_bytes
+        self.counters["weight_delta_loads"] += int(fetched.delta)
         self._pull = None
-        log.info("loaded weights v%d in %.3fs", got, dt)
+        log.info("loaded weights v%d in %.3fs (%d bytes fetched%s)", got, dt, fetched.wire_bytes,
+                 ", rebuilt from deltas" if fetched.delta else "")
         self._report(force=True)
 
     def _report(self, force: bool = False) -> None:

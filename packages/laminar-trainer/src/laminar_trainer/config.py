@@ -277,6 +277,15 @@ class TrainerConfig(ListenConfig):
     """Dtype of the floating-point weights published to the relays: the rollout engines'
     dtype (bfloat16 carries half the bytes of float32); engines cast what arrives into
     their own dtype. Checkpoints and the final model keep the fp32 master weights."""
+    publish_delta_full_every: int = Field(default=0, ge=0)
+    """0: every version is published in full. K > 0: a version is published as a delta
+    against the one before (per tensor, the elements whose published bits changed,
+    about 3x their share of the bytes), with a full version every K versions and
+    whenever the master relay changed or the delta would be at least half the full
+    bytes; rollouts rebuild it bit-exact over the version they hold (checked against
+    the full version's checksums). Pays when rollouts fetch over the network (other
+    hosts); same-host rollouts read full versions from shared memory without a copy.
+    Costs the trainer one host copy of the published weights."""
     final_dir: str | None = None
     """Where the trained model is saved when the last step is done (a clean Hugging Face
     directory: safetensors, config.json, generation_config.json, tokenizer); unset:

@@ -198,7 +198,8 @@ class TrainerService(Service):
 
             tls = TlsFiles.client_from_dir(cfg.auth.dir, "publisher") if cfg.auth.dir else None
             client = RelayClient(self.coordinator, client_id=cfg.trainer_id, tls=tls,
-                                 curve=self._curve, host=cfg.host)
+                                 curve=self._curve, host=cfg.host,
+                                 delta_full_every=cfg.publish_delta_full_every)
             find_master = client.master
             self.publish_fn = lambda version, tensors, step: client.publish(
                 version, tensors, trainer_step=step)
@@ -370,7 +371,12 @@ class TrainerService(Service):
             return snapshot_model(self.model, self.version, self.step,
                                   dtype=torch_dtype(self.config.publish_dtype))
         t0 = time.perf_counter()
-        blob = memoryview(bytes(self.config.simulate.weight_bytes))
+        # Simulated weights: zeros but for every 200th byte from an offset that moves with
+        # the version, so consecutive versions differ in 1% of their bytes.
+        raw = bytearray(self.config.simulate.weight_bytes)
+        marks = raw[self.version % 200::200]
+        raw[self.version % 200::200] = bytes([self.version % 251 + 1]) * len(marks)
+        blob = memoryview(raw)
         return Snapshot(self.version, self.step, [("simulated.weights", "uint8", (blob.nbytes,),
                                                     blob)], blob.nbytes, time.perf_counter() - t0)
 

@@ -10,11 +10,19 @@ version's own chunk checksums: a reconstruction is bit-exact or refused.
 
 Encoding, per tensor ``T`` of the full layout whose bits changed:
 
-- ``T#delta.idx``: element indices, strictly increasing (``uint32``, or
-  ``uint64`` for tensors of 2**32 elements or more);
+- the element indices, strictly increasing, as one of
+  ``T#delta.gz`` (``uint8``): the gaps between them (the first index, then
+  each index minus the one before) as ``uint16``, zlib-compressed, used when
+  every gap fits 16 bits and compression saves at least a fifth;
+  ``T#delta.gap`` (``uint16``): those gaps uncompressed;
+  ``T#delta.idx`` (``uint32``, or ``uint64`` for tensors of 2**32 elements or
+  more): the indices themselves, when a gap does not fit 16 bits;
 - ``T#delta.val``: the new bits of those elements, as unsigned words of the
   tensor's item size (``uint8/16/32/64``; an item size with no word, such as
   complex128, is compared as bytes).
+
+A bf16 element that changed costs 2 bytes of value and, at the densities of
+small updates (gaps of tens of elements), about 1 byte of compressed gap.
 
 plus ``#delta`` (``uint64 [base_version]``), so an empty delta (no bit
 changed) is still a version. Comparison is on bits, never values: -0.0 vs
@@ -25,6 +33,7 @@ Never imports torch; numpy is imported where a delta is built or applied.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +44,8 @@ from laminar_common.relay.manifests import DTYPE_ITEMSIZE, verify_buffer
 __all__ = [
     "DELTA_HEADER",
     "IDX_SUFFIX",
+    "GAP_SUFFIX",
+    "GZ_SUFFIX",
     "VAL_SUFFIX",
     "encode_delta",
     "apply_delta",
@@ -44,7 +55,10 @@ __all__ = [
 
 DELTA_HEADER = "#delta"
 IDX_SUFFIX = "#delta.idx"
+GAP_SUFFIX = "#delta.gap"
+GZ_SUFFIX = "#delta.gz"
 VAL_SUFFIX = "#delta.val"
+_INDEX_SUFFIXES = (IDX_SUFFIX, GAP_SUFFIX, GZ_SUFFIX)
 _WORDS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
@@ -89,10 +103,30 @@ def encode_delta(
         idx = np.flatnonzero(a != b)
         if idx.size == 0:
             continue
-        idx = idx.astype(np.uint32 if count < 2**32 else np.uint64)
-        out.append((t.name + IDX_SUFFIX, idx.dtype.name, (idx.size,), idx))
+        out.append(_index_part(t.name, idx, count))
         out.append((t.name + VAL_SUFFIX, word, (idx.size,), np.ascontiguousarray(b[idx])))
     return out
+
+
+def _index_part(name: str, idx, count: int) -> tuple[str, str, tuple[int, ...], Any]:
+    import numpy as np
+
+    gaps = np.diff(idx, prepend=0)
+    if int(gaps.max()) < 2**16:
+        gaps16 = gaps.astype(np.uint16)
+        packed = zlib.compress(gaps16.tobytes(), 1)
+        if len(packed) * 5 <= gaps16.nbytes * 4:
+            return name + GZ_SUFFIX, "uint8", (len(packed),), packed
+        return name + GAP_SUFFIX, "uint16", (gaps16.size,), gaps16
+    idx = idx.astype(np.uint32 if count < 2**32 else np.uint64)
+    return name + IDX_SUFFIX, idx.dtype.name, (idx.size,), idx
+
+
+def _split(name: str) -> tuple[str, str] | None:
+    for suffix in (*_INDEX_SUFFIXES, VAL_SUFFIX):
+        if name.endswith(suffix):
+            return name[: -len(suffix)], suffix
+    return None
 
 
 def validate_delta(manifest: WeightManifest) -> None:
@@ -118,30 +152,39 @@ def validate_delta(manifest: WeightManifest) -> None:
     if header is None or header.dtype != "uint64" or header.shape != (1,):
         raise ProtocolError(f"delta version {v}: no {DELTA_HEADER!r} header tensor")
     for name, t in parts.items():
-        if name.endswith(IDX_SUFFIX):
-            target, pair = name[: -len(IDX_SUFFIX)], name[: -len(IDX_SUFFIX)] + VAL_SUFFIX
-        elif name.endswith(VAL_SUFFIX):
-            target, pair = name[: -len(VAL_SUFFIX)], name[: -len(VAL_SUFFIX)] + IDX_SUFFIX
-        else:
+        split = _split(name)
+        if split is None:
             raise ProtocolError(f"delta version {v}: tensor {name[:200]!r} is neither an "
                                 "index nor a value list")
+        target, suffix = split
         full_t = by_name.get(target)
         if full_t is None:
             raise ProtocolError(f"delta version {v}: {name[:200]!r} names no tensor of the "
                                 "full version")
-        other = parts.get(pair)
-        if other is None or len(t.shape) != 1 or other.shape != t.shape:
-            raise ProtocolError(f"delta version {v}: {name[:200]!r} has no matching "
-                                f"{pair[:200]!r} of the same length")
+        if len(t.shape) != 1:
+            raise ProtocolError(f"delta version {v}: {name[:200]!r} is not one-dimensional")
         word, count = _word(full_t)
-        if name.endswith(IDX_SUFFIX):
-            if t.dtype not in ("uint32", "uint64") or t.shape[0] > count:
+        if suffix == VAL_SUFFIX:
+            index = [target + s for s in _INDEX_SUFFIXES if target + s in parts]
+            if len(index) != 1:
+                raise ProtocolError(f"delta version {v}: {name[:200]!r} has "
+                                    f"{len(index) or 'no'} index lists (one of "
+                                    f"{', '.join(_INDEX_SUFFIXES)}) beside it")
+            if t.dtype != word or t.shape[0] > count:
                 raise ProtocolError(f"delta version {v}: {name[:200]!r} is {t.dtype}"
-                                    f"{list(t.shape)}, not a uint32/uint64 list of at most "
-                                    f"{count} indices")
-        elif t.dtype != word:
-            raise ProtocolError(f"delta version {v}: {name[:200]!r} is {t.dtype}, "
-                                f"{target!r} changes in {word} words")
+                                    f"{list(t.shape)}, {target!r} changes in at most {count} "
+                                    f"{word} words")
+            continue
+        val = parts.get(target + VAL_SUFFIX)
+        if val is None:
+            raise ProtocolError(f"delta version {v}: {name[:200]!r} has no matching "
+                                f"{(target + VAL_SUFFIX)[:200]!r}")
+        want = {IDX_SUFFIX: ("uint32", "uint64"), GAP_SUFFIX: ("uint16",),
+                GZ_SUFFIX: ("uint8",)}[suffix]
+        if t.dtype not in want or (suffix != GZ_SUFFIX and t.shape != val.shape):
+            raise ProtocolError(f"delta version {v}: {name[:200]!r} is {t.dtype}"
+                                f"{list(t.shape)}; it must be {'/'.join(want)} and, but for "
+                                f"{GZ_SUFFIX!r}, as long as {(target + VAL_SUFFIX)[:200]!r}")
 
 
 def apply_delta(delta: WeightManifest, delta_bytes: Any, base: Any,
@@ -180,17 +223,17 @@ def apply_delta(delta: WeightManifest, delta_bytes: Any, base: Any,
     src = memoryview(delta_bytes).cast("B")
     parts = {t.name: t for t in delta.tensors}
     for t in full.tensors:
-        idx_t = parts.get(t.name + IDX_SUFFIX)
-        if idx_t is None:
+        val_t = parts.get(t.name + VAL_SUFFIX)
+        if val_t is None:
             continue
-        val_t = parts[t.name + VAL_SUFFIX]
         word, count = _word(t)
-        idx = np.frombuffer(src, dtype=idx_t.dtype, count=idx_t.shape[0], offset=idx_t.offset)
+        n = val_t.shape[0]
+        idx = _indices(delta.version, t.name, parts, src, n)
         if idx.size and (int(idx[-1]) >= count or (idx.size > 1 and not
                                                      bool(np.all(idx[1:] > idx[:-1])))):
             raise ProtocolError(f"delta version {delta.version}: indices of {t.name!r} are "
                                 f"out of range (< {count}) or not increasing")
-        vals = np.frombuffer(src, dtype=val_t.dtype, count=val_t.shape[0], offset=val_t.offset)
+        vals = np.frombuffer(src, dtype=val_t.dtype, count=n, offset=val_t.offset)
         target = np.frombuffer(out, dtype=word, count=count, offset=t.offset)
         target[idx] = vals
     try:
@@ -199,6 +242,31 @@ def apply_delta(delta: WeightManifest, delta_bytes: Any, base: Any,
         raise ProtocolError(f"delta version {delta.version} over base {delta.base_version} "
                             f"does not rebuild the full version: {exc}") from exc
     return out
+
+
+def _indices(version: int, name: str, parts: dict[str, TensorSpec], src: memoryview, n: int):
+    """The element indices of tensor ``name``'s changes, decoded (``int64``)."""
+    import numpy as np
+
+    if name + IDX_SUFFIX in parts:
+        t = parts[name + IDX_SUFFIX]
+        return np.frombuffer(src, dtype=t.dtype, count=n, offset=t.offset).astype(np.int64)
+    if name + GAP_SUFFIX in parts:
+        t = parts[name + GAP_SUFFIX]
+        gaps = np.frombuffer(src, dtype=np.uint16, count=n, offset=t.offset)
+    else:
+        t = parts[name + GZ_SUFFIX]
+        unpack = zlib.decompressobj()
+        try:
+            raw = unpack.decompress(src[t.offset : t.offset + t.nbytes], 2 * n + 1)
+        except zlib.error as exc:
+            raise ProtocolError(f"delta version {version}: {name + GZ_SUFFIX!r} does not "
+                                f"decompress: {exc}") from exc
+        if len(raw) != 2 * n or not unpack.eof:
+            raise ProtocolError(f"delta version {version}: {name + GZ_SUFFIX!r} holds other "
+                                f"than the {n} gaps of {name + VAL_SUFFIX!r}")
+        gaps = np.frombuffer(raw, dtype=np.uint16)
+    return np.cumsum(gaps, dtype=np.int64)
 
 
 def delta_fraction(delta: WeightManifest) -> float:
