@@ -39,7 +39,16 @@ from typing import Any
 
 from laminar_common.codec import TensorSpec, WeightManifest
 from laminar_common.errors import ProtocolError
-from laminar_common.relay.manifests import DTYPE_ITEMSIZE, verify_buffer
+from laminar_common.relay.manifests import (
+    DELTA_HEADER,
+    GAP_SUFFIX,
+    GZ_SUFFIX,
+    IDX_SUFFIX,
+    VAL_SUFFIX,
+    delta_word,
+    validate_delta,
+    verify_buffer,
+)
 
 __all__ = [
     "DELTA_HEADER",
@@ -52,23 +61,6 @@ __all__ = [
     "same_layout",
     "validate_delta",
 ]
-
-DELTA_HEADER = "#delta"
-IDX_SUFFIX = "#delta.idx"
-GAP_SUFFIX = "#delta.gap"
-GZ_SUFFIX = "#delta.gz"
-VAL_SUFFIX = "#delta.val"
-_INDEX_SUFFIXES = (IDX_SUFFIX, GAP_SUFFIX, GZ_SUFFIX)
-_WORDS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
-
-
-def _word(t: TensorSpec) -> tuple[str, int]:
-    """``(word dtype, element count)`` the tensor's bits are compared in."""
-    size = DTYPE_ITEMSIZE[t.dtype]
-    if size in _WORDS:
-        return _WORDS[size], t.nbytes // size
-    return "uint8", t.nbytes
-
 
 def same_layout(a: WeightManifest, b: WeightManifest) -> bool:
     """True when ``b`` can be a delta over ``a``: the same tensors at the same places."""
@@ -97,7 +89,7 @@ def encode_delta(
     out: list[tuple[str, str, tuple[int, ...], Any]] = [
         (DELTA_HEADER, "uint64", (1,), np.array([base_version], dtype=np.uint64))]
     for t in full.tensors:
-        word, count = _word(t)
+        word, count = delta_word(t)
         a = np.frombuffer(b_view, dtype=word, count=count, offset=t.offset)
         b = np.frombuffer(n_view, dtype=word, count=count, offset=t.offset)
         idx = np.flatnonzero(a != b)
@@ -120,71 +112,6 @@ def _index_part(name: str, idx, count: int) -> tuple[str, str, tuple[int, ...], 
         return name + GAP_SUFFIX, "uint16", (gaps16.size,), gaps16
     idx = idx.astype(np.uint32 if count < 2**32 else np.uint64)
     return name + IDX_SUFFIX, idx.dtype.name, (idx.size,), idx
-
-
-def _split(name: str) -> tuple[str, str] | None:
-    for suffix in (*_INDEX_SUFFIXES, VAL_SUFFIX):
-        if name.endswith(suffix):
-            return name[: -len(suffix)], suffix
-    return None
-
-
-def validate_delta(manifest: WeightManifest) -> None:
-    """Check a delta manifest's own structure (not its bytes).
-
-    Raises:
-        ProtocolError: not a delta, a base that is not older, a full layout
-            missing, a tensor that names no full tensor, an index without its
-            values (or the other way), or mismatched dtypes and lengths.
-    """
-    v = manifest.version
-    if manifest.full is None or manifest.base_version < 0:
-        raise ProtocolError(f"version {v} is not a delta (no base_version or full manifest)")
-    if not 0 <= manifest.base_version < v:
-        raise ProtocolError(f"delta version {v} names base {manifest.base_version}, "
-                            "which is not an older version")
-    if manifest.full.version != v or manifest.full.full is not None:
-        raise ProtocolError(f"delta version {v}: its full manifest says version "
-                            f"{manifest.full.version} or is itself a delta")
-    by_name = {t.name: t for t in manifest.full.tensors}
-    parts = {t.name: t for t in manifest.tensors}
-    header = parts.pop(DELTA_HEADER, None)
-    if header is None or header.dtype != "uint64" or header.shape != (1,):
-        raise ProtocolError(f"delta version {v}: no {DELTA_HEADER!r} header tensor")
-    for name, t in parts.items():
-        split = _split(name)
-        if split is None:
-            raise ProtocolError(f"delta version {v}: tensor {name[:200]!r} is neither an "
-                                "index nor a value list")
-        target, suffix = split
-        full_t = by_name.get(target)
-        if full_t is None:
-            raise ProtocolError(f"delta version {v}: {name[:200]!r} names no tensor of the "
-                                "full version")
-        if len(t.shape) != 1:
-            raise ProtocolError(f"delta version {v}: {name[:200]!r} is not one-dimensional")
-        word, count = _word(full_t)
-        if suffix == VAL_SUFFIX:
-            index = [target + s for s in _INDEX_SUFFIXES if target + s in parts]
-            if len(index) != 1:
-                raise ProtocolError(f"delta version {v}: {name[:200]!r} has "
-                                    f"{len(index) or 'no'} index lists (one of "
-                                    f"{', '.join(_INDEX_SUFFIXES)}) beside it")
-            if t.dtype != word or t.shape[0] > count:
-                raise ProtocolError(f"delta version {v}: {name[:200]!r} is {t.dtype}"
-                                    f"{list(t.shape)}, {target!r} changes in at most {count} "
-                                    f"{word} words")
-            continue
-        val = parts.get(target + VAL_SUFFIX)
-        if val is None:
-            raise ProtocolError(f"delta version {v}: {name[:200]!r} has no matching "
-                                f"{(target + VAL_SUFFIX)[:200]!r}")
-        want = {IDX_SUFFIX: ("uint32", "uint64"), GAP_SUFFIX: ("uint16",),
-                GZ_SUFFIX: ("uint8",)}[suffix]
-        if t.dtype not in want or (suffix != GZ_SUFFIX and t.shape != val.shape):
-            raise ProtocolError(f"delta version {v}: {name[:200]!r} is {t.dtype}"
-                                f"{list(t.shape)}; it must be {'/'.join(want)} and, but for "
-                                f"{GZ_SUFFIX!r}, as long as {(target + VAL_SUFFIX)[:200]!r}")
 
 
 def apply_delta(delta: WeightManifest, delta_bytes: Any, base: Any,
@@ -226,7 +153,7 @@ def apply_delta(delta: WeightManifest, delta_bytes: Any, base: Any,
         val_t = parts.get(t.name + VAL_SUFFIX)
         if val_t is None:
             continue
-        word, count = _word(t)
+        word, count = delta_word(t)
         n = val_t.shape[0]
         idx = _indices(delta.version, t.name, parts, src, n)
         if idx.size and (int(idx[-1]) >= count or (idx.size > 1 and not
