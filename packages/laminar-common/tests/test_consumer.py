@@ -48,12 +48,16 @@ class Manager:
                                          started_at=started_at,
                                          extra={Extra.ACK: self.rx.endpoint}))
 
-    def received(self, timeout_s: float = 0.5) -> list[Ack | TrajectoryRejected]:
+    def received(self, timeout_s: float = 0.5,
+                 count: int | None = None) -> list[Ack | TrajectoryRejected]:
+        """What arrived: until a 50 ms lull, or with ``count`` until that many arrived
+        (within ``timeout_s`` each), so a loaded machine does not split the list."""
         out = []
         msg = self.rx.recv(timeout_s=timeout_s)
         while msg is not None:
             out.append(msg)
-            msg = self.rx.recv(timeout_s=0.05)
+            wait = timeout_s if count is not None and len(out) < count else 0.05
+            msg = self.rx.recv(timeout_s=wait)
         return out
 
     def acked(self, timeout_s: float = 0.5) -> list[str]:
@@ -152,7 +156,7 @@ def test_bad_contents_are_rejected_then_given_up_on(store, make_consumer):
     for _ in range(3):
         worker.send(bad)
     assert consumer.poll(timeout_s=0.5) is None
-    notes = manager.received()
+    notes = manager.received(count=3)
     assert [(n.trajectory_id, n.final) for n in notes] == [("p0#0", False), ("p0#0", True),
                                                            ("p0#0", True)]
     assert all(isinstance(n, TrajectoryRejected) and n.reason.startswith("length-mismatch")
