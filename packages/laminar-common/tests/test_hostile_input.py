@@ -10,6 +10,7 @@ from __future__ import annotations
 import string
 
 import msgspec
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -142,3 +143,23 @@ def test_structurally_plausible_frames(kind, fields):
         return
     assert isinstance(msg, kind)
     assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_a_manifest_nested_without_end_is_refused_not_a_crash():
+    """``WeightManifest.full`` is a manifest: a frame nesting it 50,000 deep must be a
+    ProtocolError like any malformed body (msgspec raises RecursionError there)."""
+
+    def text(s: str) -> bytes:
+        return bytes([0xA0 | len(s)]) + s.encode()
+
+    fields = b"".join(text(k) + v for k, v in [
+        ("kind", text("manifest")), ("version", b"\x01"), ("total_bytes", b"\x01"),
+        ("chunk_bytes", b"\x01"), ("tensors", b"\x90"), ("chunks", b"\x90")])
+    # Each level is a 7-field map whose last value is the next level.
+    body = (bytes([0x87]) + fields + text("full")) * 50_000 + bytes([0x86]) + fields
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        codec.decode(codec._HEADER_PREFIX + body, max_bytes=len(body) + 64)
+    # One level, as a delta carries it, decodes.
+    one = bytes([0x87]) + fields + text("full") + bytes([0x86]) + fields
+    msg = codec.decode(codec._HEADER_PREFIX + one)
+    assert isinstance(msg, WeightManifest) and msg.full is not None and msg.full.full is None

@@ -407,6 +407,8 @@ def decode(
         msg = _decoder.decode(memoryview(frame)[_HEADER.size:])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed frame body: {exc}") from exc
+    except RecursionError as exc:  # a manifest's ``full`` nested without end
+        raise ProtocolError("malformed frame body: nested too deeply") from exc
     if expect is not None and not isinstance(msg, expect):
         raise ProtocolError(f"unexpected message kind {type(msg).__name__!r}")
     return msg
