@@ -398,3 +398,28 @@ def test_delta_versions_rebuild_bit_exact_for_every_kind_of_reader(cluster):
         pub.close()
         for r in readers:
             r.close()
+
+
+def test_a_master_restarted_at_the_same_id_gets_a_full_version_next(cluster):
+    """The master relay restarts empty under the same member id and is elected again:
+    the publisher's next version goes in full, since a delta against a base the master
+    no longer holds would leave its readers with nothing to rebuild from."""
+    c = cluster()
+    c.start("solo")
+    c.wait_chain(["solo"])
+    pub = RelayClient(c.coord, client_id="trainer", delta_full_every=10)
+    try:
+        assert pub.publish(1, _model(1)).manifest.full is None
+        assert pub.publish(2, _model(2)).manifest.base_version == 1
+        c.procs["solo"].kill()
+        deadline_wait(lambda: not c.coord.members(RELAY_ROLE), 5 * TTL, "the lease to expire")
+        c.start("solo")
+        c.wait_chain(["solo"])
+        third = pub.publish(3, _model(3))
+        assert third.manifest.full is None, "a delta went to a master without its base"
+        assert pub.publish(4, _model(4)).manifest.base_version == 3
+        with RelayClient(c.coord, client_id="reader", use_shared_memory=False) as reader:
+            with reader.fetch(4) as got:
+                assert got.source == "delta" and bytes(got.buffer) == _flat(4)
+    finally:
+        pub.close()

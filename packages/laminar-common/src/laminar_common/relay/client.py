@@ -458,7 +458,8 @@ class RelayClient:
                 sent_layout, sent_buffers = layout, buffers
                 if delta is not None and delta[0].base_version >= 0 \
                         and self._delta_base is not None \
-                        and relay.member_id == self._delta_base.master_id:
+                        and relay.member_id == self._delta_base.master_id \
+                        and self._holds(relay, delta[0].base_version):
                     sent_layout, sent_buffers = delta[0], delta[1]
                 try:
                     manifest = self._publish_once(relay, sent_layout, sent_buffers, deadline)
@@ -499,6 +500,18 @@ class RelayClient:
             f"publish of weight version {version} did not reach a master relay "
             f"({self.max_attempts} attempts, {self.publish_timeout_s:.0f}s): {last}"
         ) from last
+
+    def _holds(self, relay: RelayRef, version: int) -> bool:
+        """Whether ``relay`` holds ``version`` (a restarted master holds nothing: a delta
+        against a base it lacks would leave its readers without a base)."""
+        try:
+            reply = call_relay(self._stub(relay.address).Health, relay_pb2.HealthRequest(),
+                               f"health of relay {relay.member_id}", self.rpc_timeout_s)
+        except LaminarError as exc:
+            log.info("publishing in full: cannot ask %s for its versions (%s)",
+                     relay.member_id, exc)
+            return False
+        return version in reply.versions
 
     def _delta_candidate(self, layout: WeightManifest, buffers: list[NamedBuffer], full: bool):
         """``(layout, buffers, (delta layout, delta buffers, full manifest, flat))``.
