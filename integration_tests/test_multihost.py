@@ -159,7 +159,9 @@ def test_a_job_spanning_hosts_without_auth_is_refused(tmp_path):
 # ``rollout`` resource) and two workers spread over B and C. No tier address or host id is
 # configured: each actor tells its tier the node it runs on.
 
-RAY_NODES = {"a": '{"head": 1}', "b": '{"rollout": 2}', "c": '{"rollout": 2}'}
+# Room for a third worker on each worker node: a worker lost with node C is restarted on
+# node B beside B's worker (1) and relay (0.01); with 2 it waited until the run ended.
+RAY_NODES = {"a": '{"head": 1}', "b": '{"rollout": 3}', "c": '{"rollout": 3}'}
 
 
 def _descendants(pid: int) -> list[int]:

@@ -146,7 +146,11 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
                     "--set", "checkpoint.every_steps=2", "--set", "device=cpu",
                     "--set", f"eval.prompts={warm / 'eval.jsonl'}",
                     "--set", "eval.max_new_tokens=10", "--set", "eval.every_steps=2",
-                    "--set", "publish_delta_full_every=3"]
+                    "--set", "publish_delta_full_every=3",
+                    # lr 1e-6 as in LLM RL: a step changes a few % of the bf16 values, so
+                    # version 4 goes as a delta (at the default 1e-4 most of them change
+                    # and the trainer publishes in full).
+                    "--set", "optim.lr=1e-6"]
     trainer = spawn("trainer", "torch.distributed.run", "--nproc-per-node", "2",
                     "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                     "-m", "laminar_trainer.cli", *trainer_args,
