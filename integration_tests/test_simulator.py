@@ -1,7 +1,7 @@
 """The discrete-event simulator of ``tools/`` (simlib): determinism, accounting, mode ordering.
 
 Small clusters and short runs (seconds in all); the simulator drives the project's real
-``plan_laminar`` / ``plan_barrier`` / ``plan_repack`` and ``TrajectoryLedger``, so these
+``plan_dispatch`` / ``plan_barrier`` / ``plan_repack`` and ``TrajectoryLedger``, so these
 tests also exercise them together over thousands of trajectories.
 """
 

@@ -4,7 +4,7 @@ Used by ``tools/simulate.py`` (speedup by cluster size) and ``tools/bench_repack
 (repack on/off). Everything here is a SIMULATION: no model, no GPU, no network; the engine,
 the relays and the training step are cost models (below). What is *not* modelled but taken
 from the project is every decision: the simulated manager calls the project's pure functions
-``laminar_rollout.scheduling.plan_laminar`` / ``plan_barrier`` / ``required_version`` and
+``laminar_rollout.scheduling.plan_dispatch`` / ``plan_barrier`` / ``required_version`` and
 ``laminar_rollout.repack.plan_repack``, and keeps its accounts in the project's
 ``TrajectoryLedger``, in the order ``ManagerService`` does (``_schedule``,
 ``_advance_batch``, ``_maybe_repack``). Response lengths come from the project's
@@ -56,8 +56,14 @@ from laminar_rollout.config import RepackConfig
 from laminar_rollout.engines import LogNormalLengths
 from laminar_rollout.ledger import DONE, TrajectoryLedger
 from laminar_rollout.prompts import PromptRecord
-from laminar_rollout.repack import WorkerLoad, plan_repack
-from laminar_rollout.scheduling import WorkerView, plan_barrier, plan_laminar, required_version
+from laminar_rollout.repack import KvLifecycle, WorkerLoad, plan_repack
+from laminar_rollout.scheduling import (
+    Admission,
+    WorkerView,
+    plan_barrier,
+    plan_dispatch,
+    required_version,
+)
 
 __all__ = ["MODES", "TimeModel", "Cluster", "Workload", "SimConfig", "SimResult", "simulate",
            "pipeline_fill_s"]
@@ -215,11 +221,12 @@ class SimConfig:
         repack: Dynamic repack in laminar mode (interval and min_sources default to
             ``RepackConfig``'s).
         laminar_max_staleness: Admission control in laminar mode, as ``ManagerService``
-            does with ``ManagerConfig.max_staleness`` (AReaL-style bounded staleness): fresh
-            trajectories start only while the number started stays within
-            ``(trainer_version + 1 + bound) * global batch``; ``plan_laminar``'s grants are cut
-            to that (pulls still go out). ``None`` = no bound: when rollouts outpace the
-            trainer, the backlog and the staleness grow with the length of the run.
+            does with ``ManagerConfig.max_staleness`` (AReaL-style bounded staleness), through
+            the same ``laminar_rollout.scheduling.plan_dispatch``: groups are created only
+            while at most ``(latest + 1 + bound) * global batch`` trajectories exist, and
+            the grants are water-filled over the latest-version workers. ``None`` = no
+            bound: when rollouts outpace the trainer, the backlog and the staleness grow
+            with the length of the run.
         check_invariants: Compare the simulator's per-worker counts with
             ``TrajectoryLedger.assigned`` after every trainer step (slow; for tests).
     """
@@ -291,7 +298,7 @@ class SimResult:
 
 class _Worker:
     __slots__ = ("idx", "wid", "relay_pos", "version", "pulling", "pull_started", "active",
-                 "queue", "heap", "n", "kv_offset", "s_ref", "t_ref", "t_acc", "gen", "hist",
+                 "queue", "heap", "n", "kv_offset", "s_ref", "t_ref", "t_acc", "gen", "kv",
                  "acc")
 
     def __init__(self, idx: int, relay_pos: int) -> None:
@@ -310,7 +317,7 @@ class _Worker:
         self.t_ref = 0.0
         self.t_acc = 0.0
         self.gen = 0
-        self.hist: deque[tuple[float, int]] = deque([(-1e9, 0)])
+        self.kv = KvLifecycle()
         # busy, slot-seconds, kv-token-seconds, tokens, stale drain idle slot-seconds,
         # pull wait, pulls
         self.acc = [0.0] * 7
@@ -358,8 +365,7 @@ class _Sim:
         self.all_dirty = True
         self.hungry: set[int] = set()
         self.resumable: set[int] = set()
-        self.bound = config.laminar_max_staleness if self.laminar else None
-        self.started = 0
+        self.admission = Admission(self.bg, self.gs, config.laminar_max_staleness)
         self.trainer_version = 0
         self.training = False
         self.trainer_free_at = 0.0
@@ -463,10 +469,8 @@ class _Sim:
         self.push(t, _EV_WORKER, w.idx, w.gen)
 
     def set_n(self, w: _Worker, now: float) -> None:
-        w.hist.append((now, w.n))
-        horizon = now - 4 * self.cfg.report_interval_s
-        while len(w.hist) > 2 and w.hist[1][0] <= horizon:
-            w.hist.popleft()
+        # What the manager sees in the worker's reports: its KV use (KvLifecycle).
+        w.kv.observe(w.kv_offset + w.n * w.s_ref)
 
     def admit(self, w: _Worker, now: float) -> None:
         """Start queued sequences that fit slots and KV (with headroom); prefill stalls."""
@@ -581,13 +585,6 @@ class _Sim:
             self.dirty |= self.hungry
             self.hungry = set()
 
-    def refill_pool(self) -> None:
-        """Laminar: keep as many pending trajectories as the workers have slots (manager)."""
-        want = self.max_batch * len(self.workers)
-        by_state = self.ledger.counters.by_state
-        while by_state["pending"] < want:
-            self.add_group(-1)
-
     def advance_batch(self) -> None:
         """Barrier modes: open the next global batch (``ManagerService._advance_batch``)."""
         if self.batch >= 0 and self.batch_left[self.batch] > 0:
@@ -605,9 +602,7 @@ class _Sim:
         """One pass of ``ManagerService._schedule`` over the workers whose inputs changed."""
         if self.resumable:
             self.place_resumables(now)
-        if self.laminar:
-            self.refill_pool()
-        else:
+        if not self.laminar:
             self.advance_batch()
             if self.batch < 0:
                 return
@@ -617,29 +612,27 @@ class _Sim:
         views = [WorkerView(w.wid, w.version, self.max_batch, w.n + len(w.queue), w.pulling)
                  for w in chosen]
         if self.laminar:
-            plan = plan_laminar(views, self.latest)
+            # The manager's own decision (admission under the run-ahead bound, grants
+            # water-filled), over the workers whose inputs changed since the last pass.
+            plan = plan_dispatch(views, self.latest,
+                                 pending=self.ledger.counters.by_state["pending"],
+                                 created=self.ledger.created, admission=self.admission,
+                                 want=self.max_batch * len(self.workers))
+            for _ in range(plan.new_groups):
+                self.add_group(-1)
         else:
             plan = plan_barrier(views, required_version(self.mode, self.batch), self.latest,
                                 share=-(-self.bg * self.gs // len(self.workers)))
         for wid, version in plan.pulls.items():
             self.start_pull(self.by_wid[wid], version, now)
-        allowed = None if self.bound is None else \
-            (self.trainer_version + 1 + self.bound) * self.bg * self.gs - self.started
         for wid, n in plan.grants.items():
             w = self.by_wid[wid]
-            if allowed is not None:
-                if allowed <= 0:
-                    continue  # every worker is revisited after the next trainer step
-                n = min(n, allowed)
             tasks = self.ledger.take_pending(wid, w.version, n)
             if len(tasks) < n:
                 self.hungry.add(w.idx)
-            if allowed is not None:
-                fresh = sum(1 for task in tasks if not task.resume_token_ids)
-                allowed -= fresh
-                self.started += fresh
             if tasks:
                 self.advance(w, now)
+                w.kv.refill()
                 w.queue.extend(self.tidx[task.trajectory_id] for task in tasks)
                 self.admit(w, now)
                 self.fit_kv(w, now)
@@ -658,6 +651,7 @@ class _Sim:
         if self.ledger.take_specific(self.t_id[t], w.wid, w.version) is None:
             return False
         w.queue.append(t)
+        w.kv.refill()
         self.repack_tokens += self.prompt + self.t_gen[t]
         return True
 
@@ -675,15 +669,6 @@ class _Sim:
                         self.dirty.add(w.idx)
                     break
 
-    def falling(self, w: _Worker, now: float) -> bool:
-        """Active count now below its value three reports ago (``manager._falling``)."""
-        past, before = now - 3 * self.cfg.report_interval_s, w.hist[0][1]
-        for t, n in w.hist:
-            if t > past:
-                break
-            before = n
-        return w.n < before
-
     def repack(self, now: float) -> None:
         """``ManagerService._maybe_repack`` (periodic, and forced on a new version)."""
         self.repack_gen += 1
@@ -697,7 +682,7 @@ class _Sim:
             loads.append(WorkerLoad(
                 w.wid, w.version, w.n + len(w.queue), self.max_batch,
                 int(w.kv_offset + w.n * w.s_ref), int(self.kv_cap),
-                falling=self.falling(w, now),
+                falling=w.kv.falling,
                 queue_empty=(not w.queue and pending == 0) or w.version < self.latest))
         moves = plan_repack(loads, self.latest, min_sources=self.cfg.repack_min_sources)
         if not moves:

@@ -4,7 +4,7 @@ A discrete-event simulation (``tools/simlib.py``) of the three scheduling modes 
 disaggregated cluster of 64-1024 GPUs (by default 3/4 run rollout workers, 1/4 train). No
 model runs and no GPU is used: the engine, the relays and the training step are cost models.
 The decisions are the project's own: dispatch by ``laminar_rollout.scheduling``
-(``plan_laminar``, ``plan_barrier``, ``required_version``), dynamic repack by
+(``plan_dispatch``, ``plan_barrier``, ``required_version``), dynamic repack by
 ``laminar_rollout.repack.plan_repack``, accounting in ``TrajectoryLedger``.
 
 Modes: ``sync`` (generate a global batch, train, every worker pulls, repeat), ``one-step``
@@ -170,13 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         batch_groups=args.batch_prompts)
     clusters = [Cluster(g, args.rollout_fraction, args.gpus_per_worker) for g in args.scales]
     fill = pipeline_fill_s(model, workload)
-    bound = "none (ManagerService behaviour: unbounded dispatch)" \
-        if args.max_staleness is None else \
-        f"{args.max_staleness} (AReaL-style start bound; simulator-side, not in ManagerService)"
+    bound = "none (no run-ahead bound)" if args.max_staleness is None else \
+        f"{args.max_staleness} (ManagerConfig.max_staleness, through plan_dispatch)"
 
     print("SIMULATION: discrete-event model of the sync / one-step / laminar modes. Simulated "
           "engine and simulated training step; no model runs, no GPU is used.")
-    print("Decisions are the project's: laminar_rollout.scheduling (plan_laminar, plan_barrier, "
+    print("Decisions are the project's: laminar_rollout.scheduling (plan_dispatch, plan_barrier, "
           "required_version), laminar_rollout.repack.plan_repack, TrajectoryLedger.")
     print("Time model:")
     for line in model.describe(workload=workload):

@@ -57,8 +57,8 @@ from laminar_common.transport import (
 from .config import ManagerConfig
 from .ledger import PENDING, TrajectoryLedger
 from .prompts import PromptCursor, check_resume, load_prompt_file
-from .repack import WorkerLoad, plan_repack
-from .scheduling import WorkerView, plan_barrier, plan_laminar, required_version
+from .repack import KvLifecycle, WorkerLoad, plan_repack
+from .scheduling import Admission, WorkerView, plan_barrier, plan_dispatch, required_version
 from .version import __version__
 
 __all__ = ["ManagerService"]
@@ -77,8 +77,8 @@ class WorkerState:
     kv_capacity: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     pulling: int | None = None
-    stale_peak: int = 0
-    """Most trajectories held since the worker's weights went stale (0 while current)."""
+    kv: KvLifecycle = field(default_factory=KvLifecycle)
+    """KV use since the worker was last given work: repack empties it in its fall."""
 
 
 @dataclass
@@ -325,8 +325,7 @@ class ManagerService(Service):
         w.capacity = msg.max_batch
         w.active, w.queued = msg.active, msg.queued
         w.kv_used, w.kv_capacity = msg.kv_used_tokens, msg.kv_capacity_tokens
-        held = self.ledger.assigned(w.worker_id)
-        w.stale_peak = max(w.stale_peak, held) if msg.policy_version < self.latest else 0
+        w.kv.observe(msg.kv_used_tokens if msg.kv_capacity_tokens > 0 else msg.active)
         if w.pulling is not None and msg.policy_version >= w.pulling:
             w.pulling = None
         for tid in msg.done:
@@ -452,6 +451,7 @@ class ManagerService(Service):
             return False
         if not self._send(worker_id, task):
             return False
+        w.kv.refill()
         self.stats.dispatched += 1
         return True
 
@@ -474,14 +474,17 @@ class ManagerService(Service):
             views = self._views()
         if self.config.mode == "laminar":
             cfg = self.config
-            want = sum(v.capacity for v in views)
             # Each group the trainer filtered (dynamic sampling) is one more to create.
-            allowed = ((self.latest + 1 + cfg.max_staleness) * cfg.batch_groups
-                       + self.ledger.filtered_groups) * cfg.group_size
-            while self.ledger.pending_count() < want and not self.cursor.exhausted() and \
-                    self.ledger.created + cfg.group_size <= allowed:
+            plan = plan_dispatch(
+                views, self.latest, pending=self.ledger.pending_count(),
+                created=self.ledger.created,
+                admission=Admission(cfg.batch_groups, cfg.group_size, cfg.max_staleness),
+                filtered_groups=self.ledger.filtered_groups,
+                can_create=not self.cursor.exhausted())
+            for _ in range(plan.new_groups):
+                if self.cursor.exhausted():
+                    break
                 self.ledger.add_group(self.cursor.next(), cfg.group_size, self.sampling)
-            plan = plan_laminar(views, self.latest)
         else:
             self._advance_batch()
             if self.batch < 0:
@@ -496,6 +499,8 @@ class ManagerService(Service):
         for wid, n in plan.grants.items():
             w = self.workers[wid]
             tasks = self.ledger.take_pending(wid, w.version, n)
+            if tasks:
+                w.kv.refill()
             for task in tasks:
                 if not self._send(wid, task):
                     break
@@ -532,8 +537,7 @@ class ManagerService(Service):
         # started leaves with the repack like the rest).
         loads = [
             WorkerLoad(w.worker_id, w.version, self.ledger.assigned(w.worker_id), w.capacity,
-                       w.kv_used, w.kv_capacity,
-                       falling=self.ledger.assigned(w.worker_id) < w.stale_peak,
+                       w.kv_used, w.kv_capacity, falling=w.kv.falling,
                        queue_empty=(w.queued == 0 and self.ledger.pending_count() == 0)
                        or w.version < self.latest)
             for w in self.workers.values() if w.version >= 0 and w.pulling is None

@@ -14,11 +14,14 @@ packed whole into the *fullest* destination of its group that still fits both
 the KV capacity and the decode-batch limit (best fit). A worker that received
 trajectories in this plan is never also emptied.
 
-By default only stale groups (version < latest) are repacked: a worker at the
-latest version with free slots is simply given fresh prompts. The manager
-reads "falling" as *draining*: the worker holds fewer trajectories than at
-its peak since its weights went stale (a worker left with one straggler has a
-flat load, but it is exactly the one repack should empty).
+"Falling" is the paper's KV-utilisation lifecycle (:class:`KvLifecycle`): after
+a worker is given work its KV use climbs, plateaus while its batch decodes, and
+falls as sequences finish; a worker is in its fall once its use has dropped a
+fifth below the peak since it was last given work and is not climbing again (a
+last straggler grows its KV by a token a step, which does not count as a
+climb). The manager and the simulator both keep one per worker and call
+:func:`plan_repack` with every version's group, the latest included: a draining
+latest-version worker emptied now pulls the next version the moment it lands.
 """
 
 from __future__ import annotations
@@ -26,7 +29,54 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["WorkerLoad", "RepackMove", "plan_repack"]
+__all__ = ["WorkerLoad", "RepackMove", "KvLifecycle", "kv_phase", "plan_repack"]
+
+FALL_DROP = 0.2
+"""A worker is falling once its KV use is this fraction below its peak."""
+CLIMB_TOLERANCE = 0.02
+"""A rise of less than this fraction of the peak between reports is not a climb."""
+
+
+def kv_phase(peak: float, previous: float, current: float, *, drop: float = FALL_DROP,
+             tolerance: float = CLIMB_TOLERANCE) -> str:
+    """``"climb"``, ``"plateau"`` or ``"fall"`` of a KV-utilisation trace, from its peak
+    since the worker was last given work and its last two samples."""
+    if peak <= 0:
+        return "climb"
+    if current > previous + tolerance * peak:
+        return "climb"
+    if current <= (1 - drop) * peak:
+        return "fall"
+    return "plateau"
+
+
+class KvLifecycle:
+    """One worker's KV use since it was last given work (see :func:`kv_phase`).
+
+    ``observe`` each reported use (KV tokens; active sequences where the engine
+    reports no KV), ``refill`` when the worker is given new trajectories (the
+    lifecycle starts again from its current use).
+    """
+
+    __slots__ = ("peak", "previous", "current")
+
+    def __init__(self) -> None:
+        self.peak = self.previous = self.current = 0.0
+
+    def observe(self, used: float) -> None:
+        self.previous, self.current = self.current, float(used)
+        self.peak = max(self.peak, self.current)
+
+    def refill(self) -> None:
+        self.peak = self.previous = self.current
+
+    @property
+    def phase(self) -> str:
+        return kv_phase(self.peak, self.previous, self.current)
+
+    @property
+    def falling(self) -> bool:
+        return self.phase == "fall"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +99,7 @@ class RepackMove:
     kv_tokens: int
 
 
-def plan_repack(workers: list[WorkerLoad], latest: int, *, include_latest: bool = False,
+def plan_repack(workers: list[WorkerLoad], latest: int, *, include_latest: bool = True,
                 min_sources: int = 1) -> list[RepackMove]:
     """Plan which workers to empty into which (see module docstring).
 
