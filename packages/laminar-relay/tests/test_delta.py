@@ -54,11 +54,16 @@ def _delta(version, base_version, base_m, base_flat, new_weights):
     return full, new_flat, delta, flatten(delta, dbuf)
 
 
-def test_a_delta_rebuilds_the_new_version_bit_for_bit_and_is_small():
-    rng = np.random.default_rng(0)
+def _base(seed):
+    """``(rng, weights, manifest, flat stream)`` of a version 1."""
+    rng = np.random.default_rng(seed)
     w1 = _weights(rng)
     m1, b1 = _manifest(1, w1)
-    flat1 = flatten(m1, b1)
+    return rng, w1, m1, flatten(m1, b1)
+
+
+def test_a_delta_rebuilds_the_new_version_bit_for_bit_and_is_small():
+    rng, w1, m1, flat1 = _base(0)
     w2 = _step(rng, w1)
     full2, flat2, delta, dflat = _delta(2, 1, m1, flat1, w2)
     validate_manifest(delta)
@@ -73,20 +78,14 @@ def test_a_delta_rebuilds_the_new_version_bit_for_bit_and_is_small():
 
 
 def test_an_unchanged_version_is_an_empty_delta():
-    rng = np.random.default_rng(1)
-    w1 = _weights(rng)
-    m1, b1 = _manifest(1, w1)
-    flat1 = flatten(m1, b1)
+    rng, w1, m1, flat1 = _base(1)
     _, flat2, delta, dflat = _delta(2, 1, m1, flat1, w1)
     assert [t.name for t in delta.tensors] == ["#delta"]
     assert apply_delta(delta, dflat, flat1) == flat2 == flat1
 
 
 def test_the_wrong_base_or_a_corrupt_delta_is_refused_naming_the_version():
-    rng = np.random.default_rng(2)
-    w1 = _weights(rng)
-    m1, b1 = _manifest(1, w1)
-    flat1 = flatten(m1, b1)
+    rng, w1, m1, flat1 = _base(2)
     w2 = _step(rng, w1)
     _, flat2, delta, dflat = _delta(2, 1, m1, flat1, w2)
     w3 = _step(rng, w2)
@@ -102,10 +101,7 @@ def test_the_wrong_base_or_a_corrupt_delta_is_refused_naming_the_version():
 def test_a_malformed_delta_manifest_is_refused_with_the_field():
     import msgspec
 
-    rng = np.random.default_rng(3)
-    w1 = _weights(rng)
-    m1, b1 = _manifest(1, w1)
-    flat1 = flatten(m1, b1)
+    rng, w1, m1, flat1 = _base(3)
     _, _, delta, _ = _delta(2, 1, m1, flat1, _step(rng, w1))
     for change, message in [
         (dict(base_version=2), "names base 2, which is not an older version"),
@@ -127,48 +123,42 @@ def test_a_malformed_delta_manifest_is_refused_with_the_field():
         validate_manifest(msgspec.structs.replace(ghost, base_version=1, full=delta.full))
 
 
-def test_out_of_range_indices_are_refused_before_anything_is_written():
+def _crafted_case(seed):
+    """A base version 1's flat stream and version 2's full manifest, for hand-made deltas."""
+    rng, w1, _, flat1 = _base(seed)
+    return flat1, _manifest(2, _step(rng, w1))[0]
+
+
+def _apply_crafted(parts, full2, flat1):
+    """Apply a hand-made delta (``#delta`` header added) of version 2 over version 1."""
     import msgspec
 
-    rng = np.random.default_rng(4)
-    w1 = _weights(rng)
-    m1, b1 = _manifest(1, w1)
-    flat1 = flatten(m1, b1)
-    full2, _ = _manifest(2, _step(rng, w1))
-    parts = [("#delta", "uint64", (1,), np.array([1], np.uint64)),
-             ("e" + IDX_SUFFIX, "uint32", (2,), np.array([3, 11], np.uint32)),
-             ("e" + VAL_SUFFIX, "uint8", (2,), np.array([1, 2], np.uint8))]
-    d, dbuf = build_manifest(2, parts)
+    header = ("#delta", "uint64", (1,), np.array([1], np.uint64))
+    d, dbuf = build_manifest(2, [header, *parts])
     d = msgspec.structs.replace(d, base_version=1, full=full2)
+    return apply_delta(d, flatten(d, dbuf), flat1)
+
+
+def test_out_of_range_indices_are_refused_before_anything_is_written():
+    flat1, full2 = _crafted_case(4)
     with pytest.raises(ProtocolError, match=r"indices of 'e' are out of range"):
-        apply_delta(d, flatten(d, dbuf), flat1)
+        _apply_crafted([("e" + IDX_SUFFIX, "uint32", (2,), np.array([3, 11], np.uint32)),
+                        ("e" + VAL_SUFFIX, "uint8", (2,), np.array([1, 2], np.uint8))],
+                       full2, flat1)
 
 
 def test_index_lists_that_do_not_decode_are_refused():
     import zlib
 
-    import msgspec
-
-    rng = np.random.default_rng(5)
-    w1 = _weights(rng)
-    m1, b1 = _manifest(1, w1)
-    flat1 = flatten(m1, b1)
-    full2, _ = _manifest(2, _step(rng, w1))
+    flat1, full2 = _crafted_case(5)
+    values = ("w" + VAL_SUFFIX, "uint16", (2,), np.array([1, 2], np.uint16))
     for packed, message in [(b"not zlib at all", "does not decompress"),
                             (zlib.compress(bytes(6)), r"holds other than the 2 gaps"),
                             (zlib.compress(bytes(4) + b"tail"), r"holds other than the 2 gaps")]:
-        parts = [("#delta", "uint64", (1,), np.array([1], np.uint64)),
-                 ("w" + GZ_SUFFIX, "uint8", (len(packed),), packed),
-                 ("w" + VAL_SUFFIX, "uint16", (2,), np.array([1, 2], np.uint16))]
-        d, dbuf = build_manifest(2, parts)
-        d = msgspec.structs.replace(d, base_version=1, full=full2)
         with pytest.raises(ProtocolError, match=message):
-            apply_delta(d, flatten(d, dbuf), flat1)
+            _apply_crafted([("w" + GZ_SUFFIX, "uint8", (len(packed),), packed), values],
+                           full2, flat1)
     # Gaps are counted from the previous index: a zero gap after the first repeats one.
-    parts = [("#delta", "uint64", (1,), np.array([1], np.uint64)),
-             ("w" + GAP_SUFFIX, "uint16", (2,), np.array([5, 0], np.uint16)),
-             ("w" + VAL_SUFFIX, "uint16", (2,), np.array([1, 2], np.uint16))]
-    d, dbuf = build_manifest(2, parts)
-    d = msgspec.structs.replace(d, base_version=1, full=full2)
     with pytest.raises(ProtocolError, match=r"indices of 'w' are out of range .* or not increasing"):
-        apply_delta(d, flatten(d, dbuf), flat1)
+        _apply_crafted([("w" + GAP_SUFFIX, "uint16", (2,), np.array([5, 0], np.uint16)), values],
+                       full2, flat1)
