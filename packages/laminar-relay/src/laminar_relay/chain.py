@@ -178,12 +178,12 @@ class ChainForwarder:
                     return
                 # The newest pending version, preceded by the versions it is rebuilt
                 # from (a delta's base chain); older pending versions are superseded.
-                needed = set(self._store.chain(max(self._pending)))
-                for old in [v for v in self._pending if v not in needed
-                            and v < max(self._pending)]:
+                top = max(self._pending)
+                needed = set(self._store.chain(top))
+                for old in [v for v in self._pending if v not in needed]:
                     del self._pending[old]
                 for v in needed:
-                    if v < max(self._pending) and v > self.forwarded_version:
+                    if self.forwarded_version < v < top:
                         self._pending.setdefault(v, 0)
                 version = min(self._pending)
                 attempts = self._pending.pop(version)

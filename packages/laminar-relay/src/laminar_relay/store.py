@@ -196,7 +196,6 @@ class WeightStore:
         self.prefault = prefault
         self._spares: dict[int, VersionBuffer] = {}  # size -> never-used buffer
         self._preparing: set[int] = set()
-        self.spare_hits = 0
 
     # -- queries ------------------------------------------------------------
 
@@ -321,7 +320,6 @@ class WeightStore:
                 buffer = self._spares.pop(layout.total_bytes, None)
                 if buffer is not None:
                     self._used -= buffer.nbytes  # counted again below, as the session's
-                    self.spare_hits += 1
                 else:
                     buffer = self._allocate(layout.total_bytes, f"{self._name}-v{v}")
             except OSError as exc:

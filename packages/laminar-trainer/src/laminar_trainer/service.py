@@ -374,8 +374,8 @@ class TrainerService(Service):
         # Simulated weights: zeros but for every 200th byte from an offset that moves with
         # the version, so consecutive versions differ in 1% of their bytes.
         raw = bytearray(self.config.simulate.weight_bytes)
-        marks = raw[self.version % 200::200]
-        raw[self.version % 200::200] = bytes([self.version % 251 + 1]) * len(marks)
+        marks = range(self.version % 200, len(raw), 200)
+        raw[marks.start::200] = bytes([self.version % 251 + 1]) * len(marks)
         blob = memoryview(raw)
         return Snapshot(self.version, self.step, [("simulated.weights", "uint8", (blob.nbytes,),
                                                     blob)], blob.nbytes, time.perf_counter() - t0)

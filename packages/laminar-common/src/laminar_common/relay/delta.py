@@ -19,14 +19,14 @@ Encoding, per tensor ``T`` of the full layout whose bits changed:
   more): the indices themselves, when a gap does not fit 16 bits;
 - ``T#delta.val``: the new bits of those elements, as unsigned words of the
   tensor's item size (``uint8/16/32/64``; an item size with no word, such as
-  complex128, is compared as bytes).
-
-A bf16 element that changed costs 2 bytes of value and, at the densities of
-small updates (gaps of tens of elements), about 1 byte of compressed gap.
+  complex128, is compared as bytes);
 
 plus ``#delta`` (``uint64 [base_version]``), so an empty delta (no bit
 changed) is still a version. Comparison is on bits, never values: -0.0 vs
 0.0 and NaN payloads are changes like any other.
+
+A bf16 element that changed costs 2 bytes of value and, at the densities of
+small updates (gaps of tens of elements), about 1 byte of compressed gap.
 
 Never imports torch; numpy is imported where a delta is built or applied.
 """
@@ -34,7 +34,6 @@ Never imports torch; numpy is imported where a delta is built or applied.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
 from typing import Any
 
 from laminar_common.codec import TensorSpec, WeightManifest
@@ -61,6 +60,7 @@ __all__ = [
     "same_layout",
     "validate_delta",
 ]
+
 
 def same_layout(a: WeightManifest, b: WeightManifest) -> bool:
     """True when ``b`` can be a delta over ``a``: the same tensors at the same places."""
@@ -114,15 +114,13 @@ def _index_part(name: str, idx, count: int) -> tuple[str, str, tuple[int, ...], 
     return name + IDX_SUFFIX, idx.dtype.name, (idx.size,), idx
 
 
-def apply_delta(delta: WeightManifest, delta_bytes: Any, base: Any,
-                out: bytearray | None = None) -> bytearray:
+def apply_delta(delta: WeightManifest, delta_bytes: Any, base: Any) -> bytearray:
     """Rebuild the full version from its base and a delta, verified bit for bit.
 
     Args:
         delta: the delta's manifest (``base_version``, ``full``).
         delta_bytes: the delta's flat stream (verified against ``delta``).
         base: the base version's flat stream.
-        out: where to build the result (``full.total_bytes``); default a new buffer.
 
     Returns:
         The full version's flat stream, every chunk checked against
@@ -143,10 +141,7 @@ def apply_delta(delta: WeightManifest, delta_bytes: Any, base: Any,
     if base_view.nbytes != full.total_bytes:
         raise ProtocolError(f"delta version {delta.version}: base stream is "
                             f"{base_view.nbytes} bytes, the full version {full.total_bytes}")
-    if out is None:
-        out = bytearray(base_view)
-    else:
-        out[:] = base_view
+    out = bytearray(base_view)
     src = memoryview(delta_bytes).cast("B")
     parts = {t.name: t for t in delta.tensors}
     for t in full.tensors:
@@ -194,13 +189,3 @@ def _indices(version: int, name: str, parts: dict[str, TensorSpec], src: memoryv
                                 f"than the {n} gaps of {name + VAL_SUFFIX!r}")
         gaps = np.frombuffer(raw, dtype=np.uint16)
     return np.cumsum(gaps, dtype=np.int64)
-
-
-def delta_fraction(delta: WeightManifest) -> float:
-    """Bytes of the delta as a fraction of the full version's."""
-    return delta.total_bytes / delta.full.total_bytes if delta.full else 1.0
-
-
-def chain_bytes(manifests: Sequence[WeightManifest]) -> int:
-    """Bytes a reader moves to take the given versions in order."""
-    return sum(m.total_bytes for m in manifests)
