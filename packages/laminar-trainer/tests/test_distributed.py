@@ -187,3 +187,115 @@ def test_a_step_on_cuda_matches_the_same_step_on_cpu(model_dir):
     assert runs["cuda"][0] == pytest.approx(runs["cpu"][0], abs=1e-4)
     for name, tensor in runs["cpu"][1].items():
         assert torch.allclose(runs["cuda"][1][name], tensor, atol=1e-3), name
+
+
+def test_sharded_checkpoints_resume_on_another_rank_count(tmp_path):
+    # A tied-embedding Qwen2 whose dims do not split evenly over 2 ranks (vocab 49,
+    # 3 KV heads x 6 = 18 rows), built on the meta device, each rank reading its rows.
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from laminar_trainer.export import export_model
+
+    model_dir = tmp_path / "tied"
+    tok = build_tokenizer()
+    torch.manual_seed(5)
+    Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tok), hidden_size=36, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64,
+        tie_word_embeddings=True)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    out = tmp_path / "ranks"
+    out.mkdir()
+    cfg = {"model_dir": str(model_dir), "batch_groups": 4, "seed": 3,
+           "activation_checkpointing": True, "checkpoint": {"format": "sharded"},
+           "optim": {"lr": 1e-2}}
+    (out / "config.json").write_text(json.dumps(cfg))
+    steps = [_groups(s) for s in range(2)]
+    groups_file = tmp_path / "groups.msgpack"
+    groups_file.write_bytes(msgspec.msgpack.encode([encode_groups(g) for g in steps]))
+
+    # One process takes step 0 and writes a sharded checkpoint (another rank count).
+    one_cfg = TrainerConfig(**cfg)
+    torch.manual_seed(3)
+    one = build_training(one_cfg, None)
+    train_step(one.model, one.optimizer, one.scheduler, steps[0], one_cfg)
+    from laminar_trainer.checkpoint import TrainerState, save_checkpoint
+    from laminar_trainer.distributed import save_sharded
+    save_checkpoint(out / "one", one.model, one.tokenizer, one.optimizer, TrainerState(1, 1, []),
+                    write_sharded=lambda p: save_sharded(one.model, one.optimizer, p))
+    assert not (latest_checkpoint(out / "one") / "model").exists()  # nothing gathered
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+         str(HERE / "fsdp_sharded_ranks.py"), str(groups_file), str(out)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    # The two ranks resumed exactly what one process saved (tied weights included).
+    resumed = load_file(str(out / "resumed.safetensors"))
+    mine = one.model.state_dict()
+    assert set(resumed) == set(mine)
+    for name, tensor in mine.items():
+        assert torch.equal(resumed[name], tensor), name
+    # The same step 1 in one process, with activation checkpointing too.
+    loss = train_step(one.model, one.optimizer, one.scheduler, steps[1], one_cfg).loss
+    assert loss == pytest.approx(json.loads((out / "result.json").read_text())["loss"], abs=1e-5)
+    gathered = load_file(str(out / "gathered.safetensors"))
+    published = load_file(str(out / "published.safetensors"))
+    for name, tensor in one.model.state_dict().items():
+        assert torch.allclose(gathered[name], tensor, atol=1e-4), name
+        assert published[name].dtype == torch.bfloat16, name
+        assert torch.equal(published[name], gathered[name].to(torch.bfloat16)), name
+
+    # The two-rank sharded checkpoint resumes in one process: weights and optimizer.
+    two = latest_checkpoint(out / "two")
+    back = build_training(one_cfg, None, two)
+    state = restore_training(back, two, None)
+    assert state.step == 2
+    for name, tensor in back.model.state_dict().items():
+        assert torch.equal(tensor, gathered[name]), name
+    assert back.model.lm_head.weight is back.model.model.embed_tokens.weight
+    assert back.model.is_gradient_checkpointing
+    theirs = back.optimizer.state_dict()["state"]
+    ours = one.optimizer.state_dict()["state"]
+    assert len(theirs) == len(ours)
+    for idx in ours:
+        assert float(theirs[idx]["step"]) == float(ours[idx]["step"]) == 2.0
+        assert torch.allclose(theirs[idx]["exp_avg"], ours[idx]["exp_avg"], atol=1e-5)
+    assert back.scheduler.last_epoch == 2
+
+    # ... and exports to a Hugging Face directory.
+    exported = export_model(out / "two", tmp_path / "export", "float32")
+    loaded = AutoModelForCausalLM.from_pretrained(str(exported))
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, gathered[name]), name
+
+
+def test_a_broken_sharded_checkpoint_is_refused_by_name(tmp_path):
+    ckpt = tmp_path / "step-00000001"
+    (ckpt / "trainer_state").mkdir(parents=True)
+    (ckpt / "trainer_state" / "trainer.json").write_text(json.dumps(
+        {"step": 1, "version": 1, "consumed": []}))
+    (ckpt / "sharded").mkdir()
+    from laminar_trainer.checkpoint import checkpoint_paths
+
+    with pytest.raises(LaminarError, match="sharded/ has no .metadata"):
+        checkpoint_paths(ckpt)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(model_dir):
+    grads = {}
+    for checkpointing in (False, True):
+        cfg = TrainerConfig(model_dir=model_dir, batch_groups=4, seed=3,
+                            activation_checkpointing=checkpointing,
+                            optim={"lr": 1e-2, "grad_clip": 1e9})
+        torch.manual_seed(3)
+        training = build_training(cfg, None)
+        assert training.model.is_gradient_checkpointing == checkpointing
+        train_step(training.model, training.optimizer, training.scheduler, _groups(0), cfg)
+        grads[checkpointing] = _grads(training)
+    for name, grad in grads[False].items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(grads[True][name], grad, atol=1e-6), name

@@ -13,6 +13,15 @@ Layout of ``<dir>/step-<NNNNNNNN>/``:
   watermark, the seed). The LR schedule is a function of the step: a resume
   fast-forwards it.
 
+A sharded checkpoint (``checkpoint.format: sharded``, for trainers on many
+ranks) has ``sharded/`` instead of ``model/`` and the optimizer files:
+``torch.distributed.checkpoint`` files that every rank writes its own shard of
+(model under ``model.``, optimizer state under ``optim.``, keyed by parameter
+name), and ``model_config/`` (config.json, generation_config.json, the
+tokenizer; no weights). Nothing is gathered to one rank, and it resumes on any
+number of ranks, one process included (the checkpoint reader reshards);
+``laminar-trainer export`` turns it into a Hugging Face directory.
+
 A checkpoint of the earlier flat layout (model files, ``trainer.json`` and the
 optimizer files side by side in ``step-N/``) still loads. A checkpoint is
 written into ``step-N.tmp`` and renamed into place, then ``LATEST`` is
@@ -30,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +55,8 @@ __all__ = ["CheckpointPaths", "TrainerState", "checkpoint_paths", "latest_checkp
 
 MODEL_DIR = "model"
 STATE_DIR = "trainer_state"
+SHARDED_DIR = "sharded"
+CONFIG_DIR = "model_config"
 
 
 @dataclass
@@ -71,6 +83,9 @@ class CheckpointPaths:
     """The Hugging Face model directory (None: a simulated step saved no model)."""
     state: Path
     """The directory of ``trainer.json`` and the optimizer and RNG files."""
+    sharded: Path | None = None
+    """A sharded checkpoint's ``torch.distributed.checkpoint`` directory (model and
+    optimizer); its ``model_config`` is beside it (None: a full checkpoint)."""
 
 
 def checkpoint_paths(path: str | os.PathLike[str]) -> CheckpointPaths:
@@ -81,6 +96,11 @@ def checkpoint_paths(path: str | os.PathLike[str]) -> CheckpointPaths:
             flat ``trainer.json``): not a complete checkpoint.
     """
     root = Path(path)
+    if (root / STATE_DIR / "trainer.json").is_file() and (root / SHARDED_DIR).is_dir():
+        if not (root / SHARDED_DIR / ".metadata").is_file():
+            raise LaminarError(f"checkpoint {root}: {SHARDED_DIR}/ has no .metadata (not a "
+                               "complete torch.distributed.checkpoint)")
+        return CheckpointPaths(root, None, root / STATE_DIR, root / SHARDED_DIR)
     if (root / STATE_DIR / "trainer.json").is_file():
         model = root / MODEL_DIR
         return CheckpointPaths(root, model if (model / "config.json").is_file() else None,
@@ -119,6 +139,16 @@ def _write_model(out: Path, model, tokenizer, state_dict: dict | None) -> None:
         tokenizer.save_pretrained(out, save_jinja_files=False)
 
 
+def _write_config(out: Path, model, tokenizer) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if model is not None:
+        model.config.save_pretrained(out)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out, save_jinja_files=False)
+
+
 def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """An optimizer state dict (keyed by parameter index, or by name when gathered
     from FSDP) as safetensors tensors ``"<param>/<state>"`` plus JSON metadata."""
@@ -148,12 +178,17 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 def save_checkpoint(root: str | os.PathLike[str], model, tokenizer,
                     optimizer: torch.optim.Optimizer | None, state: TrainerState,
                     keep: int = 2, *, model_state: dict | None = None,
-                    optimizer_state: dict | None = None) -> Path:
+                    optimizer_state: dict | None = None,
+                    write_sharded: Callable[[Path], None] | None = None) -> Path:
     """Write one checkpoint atomically; keep the newest ``keep``. Returns its dir.
 
     ``model``, ``tokenizer`` and ``optimizer`` may be None (simulated training step).
     ``model_state`` / ``optimizer_state``: full state dicts to write instead of
     the objects' own (an FSDP trainer gathers them to rank 0 first).
+    ``write_sharded``: write a sharded checkpoint instead: called with the
+    (temporary) ``sharded/`` directory, it has every rank write its shards there
+    (:meth:`~laminar_trainer.distributed.DistContext.save_sharded`); the model's
+    config and tokenizer go to ``model_config/``, and no full state is written.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -161,11 +196,16 @@ def save_checkpoint(root: str | os.PathLike[str], model, tokenizer,
     tmp = root / f"step-{state.step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    if model is not None or tokenizer is not None:
+    if write_sharded is not None:
+        write_sharded(tmp / SHARDED_DIR)
+        _write_config(tmp / CONFIG_DIR, model, tokenizer)
+    elif model is not None or tokenizer is not None:
         _write_model(tmp / MODEL_DIR, model, tokenizer, model_state)
     state_dir = tmp / STATE_DIR
     state_dir.mkdir()
-    if optimizer_state is None and optimizer is not None:
+    if write_sharded is not None:
+        pass  # the optimizer state is in sharded/
+    elif optimizer_state is None and optimizer is not None:
         optimizer_state = optimizer.state_dict()
     if optimizer_state is not None:
         tensors, meta = _flatten_optimizer(optimizer_state)
@@ -263,7 +303,9 @@ def load_checkpoint(path: str | os.PathLike[str],
                     optimizer: torch.optim.Optimizer | None) -> TrainerState:
     """Restore the optimizer (if any) from ``path`` and return the trainer state.
 
-    The model is loaded by the caller with ``from_pretrained(checkpoint_paths(path).model)``.
+    The model is loaded by the caller with ``from_pretrained(checkpoint_paths(path).model)``;
+    a sharded checkpoint's model and optimizer both with
+    :func:`~laminar_trainer.distributed.load_sharded`.
 
     Raises:
         LaminarError: not a checkpoint, or a file of it is missing, unreadable or
@@ -273,7 +315,7 @@ def load_checkpoint(path: str | os.PathLike[str],
     paths = checkpoint_paths(path)
     file = paths.state / "trainer.json"
     state = _trainer_state(file, _read_json(file))
-    if optimizer is not None:
+    if optimizer is not None and paths.sharded is None:
         saved = read_optimizer_state(path)
         try:
             optimizer.load_state_dict(saved)

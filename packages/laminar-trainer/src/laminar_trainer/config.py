@@ -155,6 +155,12 @@ class CheckpointConfig(LaminarModel):
     """Checkpoint (and durably ack) every this many steps."""
     keep: int = Field(default=2, ge=1)
     """Checkpoints kept."""
+    format: Literal["full", "sharded"] = "full"
+    """full: rank 0 gathers the whole model and optimizer state and writes a Hugging Face
+    model directory beside it. sharded: every rank of a torchrun trainer writes its own
+    shards (torch.distributed.checkpoint; nothing gathered; the directory must be on a
+    filesystem the ranks share); resumes on any number of ranks, one process included;
+    ``laminar-trainer export`` makes a model directory of it."""
 
 
 class EvalConfig(LaminarModel):
@@ -273,6 +279,9 @@ class TrainerConfig(ListenConfig):
     ``torch.autocast(dtype=bfloat16)`` (FSDP2 under torchrun: ``MixedPrecisionPolicy``,
     bf16 parameters in the forward, fp32 gradient reduction); log-probs are computed in
     fp32 from the logits either way."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them
+    (less memory for long sequences and large models, about a third more compute)."""
     publish_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Dtype of the floating-point weights published to the relays: the rollout engines'
     dtype (bfloat16 carries half the bytes of float32); engines cast what arrives into

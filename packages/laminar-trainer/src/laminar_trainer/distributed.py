@@ -15,9 +15,12 @@ pickled):
 - ``STEP``: every rank decodes the step's groups and trains on its share of
   each mini-batch (``mini_batch[rank::world]``, see ``laminar_trainer.step``);
   FSDP averages gradients during backward.
-- ``GATHER``: the full state dict is gathered to rank 0 (to publish weights).
+- ``GATHER``: the full state dict is gathered to rank 0, one tensor at a time
+  (to publish weights, cast to the published dtype as they arrive).
 - ``CHECKPOINT``: full model and optimizer state are gathered to rank 0, which
-  writes them (``laminar_trainer.checkpoint``).
+  writes them (``laminar_trainer.checkpoint``); with ``arg`` 1 (a sharded
+  checkpoint) every rank writes its own shards to the directory in the payload
+  instead (``torch.distributed.checkpoint``), and nothing is gathered.
 - ``EVAL``: every rank decodes the same held-out prompts greedily (the forward
   of a sharded model is a collective); rank 0 reports the accuracy.
 - ``STOP``: followers leave their loop.
@@ -42,10 +45,12 @@ torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -56,8 +61,9 @@ from laminar_common.errors import LaminarError
 
 from .buffer import Group
 
-__all__ = ["Command", "DistContext", "decode_groups", "encode_groups", "init_distributed",
-           "resolve_device"]
+__all__ = ["Command", "DistContext", "decode_groups", "encode_groups",
+           "enable_activation_checkpointing", "init_distributed", "load_local_shards",
+           "load_sharded", "params_on_meta", "resolve_device", "save_sharded"]
 
 log = logging.getLogger(__name__)
 
@@ -171,11 +177,39 @@ class DistContext:
         self.send_command(Command.STEP, encode_groups(groups))
         return groups
 
-    def gather_for_publish(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Rank 0: the full weights (CPU) for a publish or the final save; the followers
-        join the gather."""
+    def gather_for_publish(self, model: torch.nn.Module, dtype: torch.dtype | None = None
+                           ) -> dict[str, torch.Tensor]:
+        """Rank 0: the full weights (CPU) for a publish (floating tensors in ``dtype``) or
+        the final save (``dtype`` None: float32); the followers join the gather."""
         self.send_command(Command.GATHER)
-        return self.full_model_state(model)
+        return self.gather_tensors(model, dtype)
+
+    def gather_tensors(self, model: torch.nn.Module, dtype: torch.dtype | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """Collective: the full state dict on rank 0 (CPU tensors, floating ones cast to
+        ``dtype`` on the device first), ``{}`` elsewhere. One tensor at a time is
+        gathered, cast and copied to the host, so rank 0's host memory peaks at the
+        published bytes (half the float32 state in bf16) plus one tensor, and each
+        device at one unsharded tensor."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in model.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+            if not self.is_main:
+                continue
+            fresh = isinstance(tensor, DTensor)  # full_tensor() made a new tensor
+            if dtype is not None and full.is_floating_point() and full.dtype != dtype:
+                full, fresh = full.to(dtype), True
+            # Never the model's own storage: the next step must not change what is sent.
+            out[name] = full.to("cpu", copy=not fresh)
+        return out
+
+    def save_sharded(self, model: torch.nn.Module, optimizer, path: Path) -> None:
+        """Rank 0: have every rank write its shards of model and optimizer to ``path``
+        (``torch.distributed.checkpoint``; a shared filesystem)."""
+        self.send_command(Command.CHECKPOINT, os.fsencode(path), 1)
+        save_sharded(model, optimizer, path)
 
     def gather_for_checkpoint(self, model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
         """Rank 0: full model and optimizer state (CPU) for a checkpoint."""
@@ -185,6 +219,18 @@ class DistContext:
     def send_eval(self, records: list[dict], max_new_tokens: int) -> None:
         """Rank 0: have every rank decode the held-out records with it."""
         self.send_command(Command.EVAL, msgspec.msgpack.encode(records), max_new_tokens)
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's ``data`` on every rank (the others pass anything)."""
+        import torch.distributed as dist
+
+        size = self.broadcast_int(len(data))
+        if not size:
+            return b""
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_main
+               else torch.empty(size, dtype=torch.uint8))
+        dist.broadcast(buf, src=0, group=self.cpu_group)
+        return buf.numpy().tobytes()
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's ``value`` on every rank."""
@@ -209,6 +255,32 @@ class DistContext:
         for layer in layers or ():
             fully_shard(layer, mesh=self.mesh, **kwargs)
         fully_shard(model, mesh=self.mesh, **kwargs)
+        return model
+
+    def build_sharded(self, model_dir: str | os.PathLike[str], dtype: str = "float32",
+                      activation_checkpointing: bool = False) -> torch.nn.Module:
+        """The model of ``model_dir`` sharded over the ranks, built without a full copy
+        anywhere: its parameters are created on the meta device, sharded with
+        :meth:`shard`, allocated on this rank's device (``to_empty``; buffers such as
+        rotary frequencies are computed on the CPU at build and copied back), then each
+        rank reads only its own rows of each tensor from the safetensors files
+        (memory-mapped; see :func:`load_local_shards`). Parameters are float32 (the
+        master weights)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(model_dir))
+        with params_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        if activation_checkpointing:
+            enable_activation_checkpointing(model)
+        self.shard(model, dtype)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            for name, value in buffers.items():
+                model.get_buffer(name).copy_(value)
+        load_local_shards(model, model_dir, self.rank, self.world_size)
+        model.train()
         return model
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
@@ -257,6 +329,155 @@ class DistContext:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def save_sharded(model: torch.nn.Module, optimizer, path: str | os.PathLike[str]) -> None:
+    """Collective (or one process): model and optimizer state by parameter name, each
+    rank writing its own shards (``torch.distributed.checkpoint.save``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _one_process_is_meant():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.fspath(path))
+
+
+@contextlib.contextmanager
+def _one_process_is_meant():
+    # Without a process group the checkpoint reader/writer warns that it assumes one
+    # process: that is what a one-process trainer means.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def load_sharded(model: torch.nn.Module, optimizer, path: str | os.PathLike[str]) -> None:
+    """Collective (or one process): load a sharded checkpoint's model (and optimizer,
+    unless None) into this rank's shards, whatever the number of ranks that wrote it.
+
+    Raises:
+        LaminarError: the checkpoint cannot be read or does not fit the model.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    try:
+        if optimizer is None:
+            model_state = get_model_state_dict(model)
+            with _one_process_is_meant():
+                dcp.load({"model": model_state}, checkpoint_id=os.fspath(path))
+            set_model_state_dict(model, model_state)
+            return
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        with _one_process_is_meant():
+            dcp.load(state, checkpoint_id=os.fspath(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    except (RuntimeError, ValueError, KeyError, OSError) as exc:
+        raise LaminarError(f"sharded checkpoint {path} cannot be loaded into this model: "
+                           f"{type(exc).__name__}: {str(exc)[:500]}") from exc
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no
+    initialisation) and their buffers where they are computed (the CPU): parameters are
+    moved as they are registered, before any init touches them."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them
+    (Hugging Face's gradient checkpointing, non-reentrant: it composes with FSDP2)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        import json
+
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LaminarError(f"{index}: not a safetensors index ({exc})") from exc
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if not single.exists():
+        raise LaminarError(f"{model_dir}: no model.safetensors (nor an index of shards)")
+    return [single]
+
+
+def load_local_shards(model: torch.nn.Module, model_dir: str | os.PathLike[str], rank: int,
+                      world_size: int) -> int:
+    """Copy this rank's rows of every parameter from ``model_dir``'s safetensors files
+    into the model FSDP2 sharded (dim 0 cut as ``torch.chunk`` cuts it); returns the
+    bytes read. Only the slices this rank holds are read from the memory-mapped files.
+    Tied parameters (an untied-looking ``lm_head`` the file omits) load once.
+
+    Raises:
+        LaminarError: a parameter is missing from the files or has another shape.
+    """
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    model_dir = Path(model_dir)
+    handles = {}
+    for file in _safetensors_files(model_dir):
+        f = safe_open(str(file), framework="pt")
+        for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+            handles[key] = f
+    params = dict(model.named_parameters())
+    missing = sorted(name for name in params if name not in handles)
+    if missing:
+        raise LaminarError(f"{model_dir}: the checkpoint lacks parameters {missing[:5]}"
+                           f"{' ...' if len(missing) > 5 else ''}")
+    read = 0
+    with torch.no_grad():
+        for name, param in params.items():
+            sliced = handles[name].get_slice(name)
+            shape = tuple(sliced.get_shape())
+            if shape != tuple(param.shape):
+                raise LaminarError(f"{model_dir}: parameter {name!r} has shape {shape}, "
+                                   f"the model expects {tuple(param.shape)}")
+            local = param.to_local() if isinstance(param, DTensor) else param.data
+            if isinstance(param, DTensor) and shape:
+                rows = -(-shape[0] // world_size)
+                start, stop = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
+                if local.shape[0] != stop - start:
+                    raise LaminarError(f"parameter {name!r}: rank {rank} holds "
+                                       f"{local.shape[0]} rows, expected {stop - start}")
+                part = sliced[start:stop] if stop > start else None
+            else:
+                part = sliced[:] if shape else handles[name].get_tensor(name)
+            if part is not None:
+                local.copy_(part)
+                read += part.numel() * part.element_size()
+    return read
 
 
 def init_distributed(device_setting: str, batch_groups: int,

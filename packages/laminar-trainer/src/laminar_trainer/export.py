@@ -1,7 +1,7 @@
 """``laminar-trainer export``: a checkpoint's model as a clean Hugging Face directory.
 
 The source is a checkpoint root (its ``LATEST``), one ``step-N`` checkpoint
-(this layout or the earlier flat one), or a model directory (the trainer's
+(this layout, a sharded one, or the earlier flat one), or a model directory (the trainer's
 ``final`` one, a warm start). The output holds the weights in safetensors in
 the asked dtype (config.json's ``dtype`` says the same), config.json,
 generation_config.json and the tokenizer (tokenizer.json, tokenizer_config.json
@@ -18,7 +18,13 @@ from pathlib import Path
 
 from laminar_common.errors import LaminarError
 
-from .checkpoint import checkpoint_paths, latest_checkpoint
+from .checkpoint import (
+    CONFIG_DIR,
+    SHARDED_DIR,
+    CheckpointPaths,
+    checkpoint_paths,
+    latest_checkpoint,
+)
 
 __all__ = ["export_model", "resolve_model_dir"]
 
@@ -49,6 +55,19 @@ def resolve_model_dir(source: str | os.PathLike[str]) -> Path:
     return model
 
 
+def _sharded_checkpoint(source: str | os.PathLike[str]) -> CheckpointPaths | None:
+    """The paths of ``source`` if it is (or its ``LATEST`` names) a sharded checkpoint."""
+    path = Path(source)
+    if (path / "LATEST").is_file():
+        path = latest_checkpoint(path) or path
+    if not (path / SHARDED_DIR).is_dir():
+        return None
+    paths = checkpoint_paths(path)
+    if not (path / CONFIG_DIR / "config.json").is_file():
+        raise LaminarError(f"sharded checkpoint {path} has no {CONFIG_DIR}/config.json")
+    return paths
+
+
 def export_model(source: str | os.PathLike[str], out: str | os.PathLike[str],
                  dtype: str = "bfloat16", *, force: bool = False) -> Path:
     """Write the model of ``source`` to ``out`` in ``dtype``; returns ``out``.
@@ -66,7 +85,8 @@ def export_model(source: str | os.PathLike[str], out: str | os.PathLike[str],
     from .precision import torch_dtype
 
     want = torch_dtype(dtype)
-    model_dir = resolve_model_dir(source)
+    sharded = _sharded_checkpoint(source)
+    model_dir = sharded.root / CONFIG_DIR if sharded is not None else resolve_model_dir(source)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise LaminarError(f"output {out} exists and is not a directory")
@@ -77,11 +97,22 @@ def export_model(source: str | os.PathLike[str], out: str | os.PathLike[str],
     if here == there or there in here.parents:
         raise LaminarError(f"output directory {out} is or holds the source {model_dir}")
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=want,
-                                                     local_files_only=True)
+        if sharded is not None:
+            import torch
+
+            from .distributed import load_sharded
+
+            config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            load_sharded(model, None, sharded.sharded)
+            model = model.to(want)
+            model.config.dtype = want
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=want,
+                                                         local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise LaminarError(f"cannot load the model in {model_dir}: {exc}") from exc

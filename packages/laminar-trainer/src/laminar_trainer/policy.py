@@ -5,7 +5,7 @@
 optimizer and the LR schedule line up. ``restore_training`` restores a
 checkpoint: in one process from its files; across ranks rank 0 reads it and
 the full state is sharded from there (only rank 0 needs the checkpoint
-directory).
+directory); a sharded checkpoint is read by every rank.
 
 ``run_follower`` is the whole life of a rank > 0: build, restore if rank 0
 says so, then execute rank 0's commands (``laminar_trainer.distributed``)
@@ -15,6 +15,7 @@ until ``STOP``.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -34,7 +35,15 @@ from .checkpoint import (
     restore_rng,
 )
 from .config import TrainerConfig
-from .distributed import Command, DistContext, decode_groups, resolve_device
+from .distributed import (
+    Command,
+    DistContext,
+    decode_groups,
+    enable_activation_checkpointing,
+    load_sharded,
+    resolve_device,
+    save_sharded,
+)
 from .step import make_optimizer, train_step
 
 __all__ = ["Training", "build_training", "evaluate_records", "restore_training", "run_follower"]
@@ -67,24 +76,34 @@ def build_training(cfg: TrainerConfig, ctx: DistContext | None,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = ctx.device if ctx is not None else resolve_device(cfg.device)
+    if weights is not None and checkpoint_paths(weights).sharded is not None:
+        weights = None  # restore_training loads it (model and optimizer together)
     source = Path(cfg.model_dir) if weights is None else _checkpoint_model(weights)
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).to(device)
-    model.train()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
     ref_model = None
-    if cfg.loss.kl_coef > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
-        ref_model = ref_model.to(device).eval().requires_grad_(False)
     if ctx is not None:
-        model = ctx.shard(model, cfg.dtype)
-        if ref_model is not None:
-            ref_model = ctx.shard(ref_model, cfg.dtype)
+        # Built on the meta device, each rank reading only its shard (no full copy).
+        model = ctx.build_sharded(source, cfg.dtype, cfg.activation_checkpointing)
+        if cfg.loss.kl_coef > 0:
+            ref_model = ctx.build_sharded(cfg.model_dir, cfg.dtype)
+            ref_model.eval().requires_grad_(False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).to(device)
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        model.train()
+        if cfg.loss.kl_coef > 0:
+            ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
+            ref_model = ref_model.to(device).eval().requires_grad_(False)
     optimizer, scheduler = make_optimizer(model, cfg.optim, cfg.total_steps)
     return Training(model, tokenizer, optimizer, scheduler, ref_model, device, source)
 
 
 def _checkpoint_model(ckpt: Path) -> Path:
-    model = checkpoint_paths(ckpt).model
+    paths = checkpoint_paths(ckpt)
+    model = paths.model
+    if paths.sharded is not None:
+        raise LaminarError(f"checkpoint {ckpt} is sharded: it has no model directory")
     if model is None:
         raise LaminarError(f"checkpoint {ckpt} holds no model (written by a simulated "
                            "training step)")
@@ -96,12 +115,22 @@ def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | N
     """Restore model, optimizer, schedule and RNG from ``ckpt`` (rank 0's choice on
     every rank; followers keep their own RNG).
 
+    A sharded checkpoint is read by every rank, each its own shards (rank 0 sends
+    the path, so the checkpoint directory must be on a filesystem they share).
+
     Returns the checkpoint's trainer state on rank 0 (None without a checkpoint,
     and on followers, which learn only the step).
     """
     if ctx is None:
         if ckpt is None:
             return None
+        paths = checkpoint_paths(ckpt)
+        if paths.sharded is not None:
+            load_sharded(training.model, training.optimizer, paths.sharded)
+            state = load_checkpoint(ckpt, None)
+            restore_rng(ckpt)
+            _advance(training, state.step)
+            return state
         model_dir = _checkpoint_model(ckpt)
         if training.weights_from != model_dir:
             from transformers import AutoModelForCausalLM
@@ -116,6 +145,15 @@ def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | N
     step = ctx.broadcast_int(state.step if state is not None else -1)
     if step < 0:
         return None
+    sharded = checkpoint_paths(ckpt).sharded if ctx.is_main else None
+    where = ctx.broadcast_bytes(os.fsencode(sharded) if sharded is not None else b"")
+    if where:
+        # Every rank reads its own shards (written by any number of ranks).
+        load_sharded(training.model, training.optimizer, os.fsdecode(where))
+        if ctx.is_main:
+            restore_rng(ckpt)
+        _advance(training, step)
+        return state
     model_state: dict = {}
     optim_state: dict = {}
     if ctx.is_main:
@@ -172,7 +210,9 @@ def run_follower(cfg: TrainerConfig, ctx: DistContext) -> int:
                        decode_groups(payload), cfg, ref_model=training.ref_model, dist=ctx)
             steps += 1
         elif command == Command.GATHER:
-            ctx.full_model_state(training.model)
+            ctx.gather_tensors(training.model)
+        elif command == Command.CHECKPOINT and arg == 1:
+            save_sharded(training.model, training.optimizer, os.fsdecode(payload))
         elif command == Command.CHECKPOINT:
             ctx.full_model_state(training.model)
             ctx.full_optimizer_state(training.model, training.optimizer)

@@ -45,6 +45,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -70,7 +71,7 @@ from .checkpoint import (
     save_model_dir,
 )
 from .config import TrainerConfig
-from .distributed import Command, DistContext
+from .distributed import Command, DistContext, save_sharded
 from .policy import Training, build_training, evaluate_records, restore_training
 from .precision import torch_dtype
 from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
@@ -364,9 +365,10 @@ class TrainerService(Service):
     def _snapshot(self) -> Snapshot:
         if self.model is not None and self.dist is not None:
             t0 = time.perf_counter()
-            full = self.dist.gather_for_publish(self.model)  # fresh CPU copies already
+            # Gathered tensor by tensor, cast on the device: fresh CPU copies already.
+            full = self.dist.gather_for_publish(self.model, torch_dtype(self.config.publish_dtype))
             return snapshot_state(full, self.version, self.step, time.perf_counter() - t0,
-                                  copy=False, dtype=torch_dtype(self.config.publish_dtype))
+                                  copy=False)
         if self.model is not None:
             return snapshot_model(self.model, self.version, self.step,
                                   dtype=torch_dtype(self.config.publish_dtype))
@@ -665,8 +667,13 @@ class TrainerService(Service):
         state = TrainerState(self.step, self.version, [i for i, _ in kept], self.config.seed,
                              consumed_seqs=[q for _, q in kept], settled_below=watermark,
                              failed=failed)
-        full: dict[str, dict | None] = {"model_state": None, "optimizer_state": None}
-        if self.model is not None and self.dist is not None:
+        full: dict[str, Any] = {"model_state": None, "optimizer_state": None}
+        if self.model is not None and self.config.checkpoint.format == "sharded":
+            dist, model, optimizer = self.dist, self.model, self.optimizer
+            full["write_sharded"] = (
+                (lambda path: save_sharded(model, optimizer, path)) if dist is None
+                else (lambda path: dist.save_sharded(model, optimizer, path)))
+        elif self.model is not None and self.dist is not None:
             full["model_state"], full["optimizer_state"] = self.dist.gather_for_checkpoint(
                 self.model, self.optimizer)
         save_checkpoint(self.config.checkpoint.dir, self.model, self.tokenizer, self.optimizer,
