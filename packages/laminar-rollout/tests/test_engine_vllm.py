@@ -99,3 +99,41 @@ def test_weights_update_in_place_and_versions_are_guarded(vllm_engine):
         vllm_engine.run_until_done([req])[0].token_ids
         == reference.run_until_done([req])[0].token_ids
     )
+
+
+def test_sampled_logprobs_are_full_vocabulary_at_the_temperature(vllm_engine):
+    # Teacher-force what vLLM sampled at T=0.7 through the same weights: every recorded
+    # log-prob is log_softmax(logits / T) over the whole vocabulary (no renormalising).
+    model = _tiny_model(0) if vllm_engine.weight_version == 0 else None
+    if model is None:
+        pytest.skip("the engine's weights were replaced by an earlier test")
+    req = _requests(1, temperature=0.7, max_tokens=16, seed=3)[0]
+    out = vllm_engine.run_until_done([req])[0]
+    ids = torch.tensor([list(req.prompt_token_ids) + list(out.token_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(req.prompt_token_ids) - 1:-1].double() / 0.7
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), want, atol=2e-3)
+
+
+def test_truncated_sampling_is_refused_with_the_reason(vllm_engine):
+    with pytest.raises(EngineError, match="renormalised over the kept tokens"):
+        vllm_engine.add_request(_requests(1, temperature=1.0, top_p=0.9)[0])
+    assert not vllm_engine.has_unfinished()
+
+
+def test_weights_load_in_buckets_and_kv_use_comes_from_vllm_stats(weights_dir):
+    engine = make_engine("vllm", model=str(weights_dir), max_batch=4, context_length=256,
+                         dtype="float32", eos_token_ids=(), gpu_memory_utilization=0.2,
+                         enforce_eager=True, engine_kwargs={"skip_tokenizer_init": True},
+                         weight_bucket_bytes=64 << 10, weight_update_timeout_s=60)
+    reqs = _requests(3, max_tokens=40)
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(3):
+        engine.step()
+    load = engine.load()
+    assert load.active == 3 and 0 < load.kv_used_tokens < load.kv_capacity_tokens
+    engine.abort()
+    engine.load_weights(1, _tiny_model(1).state_dict().items())  # many 64 KiB buckets
+    assert engine.weight_version == 1

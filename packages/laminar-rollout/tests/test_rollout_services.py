@@ -386,6 +386,33 @@ def test_an_engine_refusing_a_weight_load_does_not_kill_the_worker(stack):
     assert _wait(lambda: any(t.policy_version == 1 for t in trainer.got), 20, trainer)
 
 
+def test_a_hung_weight_load_fails_the_worker_which_leaves_and_can_rejoin(stack):
+    """A load that never returns: the worker fails within weight_load_timeout_s, leaves
+    the job (its work goes elsewhere), and a restart under the same id registers again."""
+    from laminar_common.errors import EngineWedgedError
+    from laminar_common.service import ServiceState
+
+    store, trainer, start_manager, start_worker = stack
+    manager = start_manager(n_prompts=40, group_size=2)
+    stuck = _worker(store, "w1", max_batch=2)
+    stuck.config = stuck.config.model_copy(update={"weight_load_timeout_s": 0.3})
+    stuck.engine._load_time = 3600.0  # the weight update hangs
+    stuck.start()
+    try:
+        assert _wait(lambda: len(trainer.got) >= 2, 20, trainer)
+        trainer.coord.publish_version(VersionRecord(version=1))
+        assert _wait(lambda: stuck.state == ServiceState.FAILED, 20, trainer)
+        assert isinstance(stuck.failure, EngineWedgedError)
+        assert "loading weights v1 did not return within 0.3s" in str(stuck.failure)
+        assert stuck.counters["weight_load_wedged"] == 1
+        assert _wait(lambda: "w1" not in manager.coordinator.members("worker"), 10, trainer)
+        # Restarted (what laminar up or Ray does on exit 1): registers, and generates v1.
+        start_worker("w1", max_batch=2)
+        assert _wait(lambda: any(t.policy_version == 1 for t in trainer.got), 30, trainer)
+    finally:
+        stuck.close("test over")
+
+
 def _fake_worker(manager, wid="w1", capacity=16):
     """A worker that says hello, reports version 0 and only receives: what the manager sends."""
     from laminar_common.codec import PROTOCOL_VERSION, Hello, WorkerReport

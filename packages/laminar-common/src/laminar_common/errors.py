@@ -15,6 +15,7 @@ __all__ = [
     "TransportError",
     "EtcdUnavailableError",
     "EngineError",
+    "EngineWedgedError",
 ]
 
 
@@ -54,4 +55,13 @@ class EngineError(LaminarError):
 
     Under :class:`LaminarError` so that a refused weight load or request is
     handled where every other refusal is, instead of escaping a worker's loop.
+    """
+
+
+class EngineWedgedError(EngineError):
+    """A call into a generation engine did not return in time (a hung weight update).
+
+    The engine may still be inside that call, so this process cannot use it again:
+    the worker leaves the job (its unfinished work is dispatched elsewhere) and exits
+    non-zero, and its supervisor starts it again, which registers afresh.
     """

@@ -11,7 +11,7 @@ import re
 import socket
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 
 from laminar_common.config import (
     AuthConfig,
@@ -87,6 +87,8 @@ class SimulatedEngineConfig(LaminarModel):
     """Decode step time b per active sequence (seconds)."""
     prefill_time_per_token: float = Field(default=2e-5, ge=0)
     """Prefill cost per prompt (or re-prefilled) token (seconds)."""
+    weight_load_time_s: float = Field(default=0.0, ge=0)
+    """Seconds one weight load takes (a real engine's weight update)."""
     vocab_size: int = Field(default=32000, ge=2)
     """Token ids are drawn below this."""
     seed: int | None = None
@@ -102,10 +104,28 @@ class VllmEngineConfig(LaminarModel):
     in config.json's dtype and casts the weights it is sent into it."""
     max_batch: int = Field(default=256, ge=1)
     """vLLM max_num_seqs."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs one engine spans (vLLM tensor parallelism)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weights and activations (auto: config.json's dtype); published weights are cast
+    into it as they load."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
-    """Fraction of GPU memory vLLM may take."""
-    context_length: int | None = Field(default=None, ge=2)
-    """vLLM max_model_len."""
+    """Fraction of GPU memory vLLM may take (weights, activations and KV cache)."""
+    context_length: int | None = Field(
+        default=None, ge=2, validation_alias=AliasChoices("context_length", "max_model_len"))
+    """vLLM max_model_len (also accepted as ``max_model_len``); unset: the model's."""
+    enforce_eager: bool = False
+    """No CUDA graphs (faster start, slower decode)."""
+    enable_prefix_caching: bool | None = None
+    """vLLM's prefix cache (a GRPO group's samples share their prompt); unset: vLLM's
+    default. It is reset after every weight update."""
+    engine_kwargs: dict[str, Any] = {}
+    """Further ``vllm.EngineArgs`` fields, passed as they are (they override the above)."""
+    weight_bucket_mb: int = Field(default=512, ge=1)
+    """Most MiB of weights handed to vLLM's workers in one update call."""
+    weight_update_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of each weight-update call into vLLM; a call that does not return in
+    time fails the load as wedged (the worker leaves the job and is restarted)."""
     seed: int | None = None
     """Sampling seed; unset: derived from the worker_id (CRC-32)."""
 
@@ -239,6 +259,11 @@ class WorkerConfig(HostConfig):
     """A relay's gRPC host:port to fetch weights from (default: found through etcd)."""
     fetch_timeout_s: float = Field(default=120.0, gt=0)
     """How long one weight fetch may take."""
+    weight_load_timeout_s: float = Field(default=300.0, gt=0)
+    """How long the engine may take to load one fetched version. A load that has not
+    returned by then is a wedged engine: the worker leaves the job and exits 1, so
+    its supervisor (``laminar up``, Ray) starts it again and it registers afresh
+    instead of hanging with its slots idle."""
     stats_path: str | None = None
     """Write counters, busy/weight-wait time and a busy/idle/weights timeline here on exit."""
     metrics: MetricsConfig = MetricsConfig()

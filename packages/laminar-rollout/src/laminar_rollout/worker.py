@@ -43,7 +43,7 @@ import msgspec
 from laminar_common import codec
 from laminar_common.codec import PartialProgress, PromptTask, Trajectory, WorkerReport
 from laminar_common.consume.validation import MAX_DATA_SOURCE_CHARS
-from laminar_common.errors import ConfigError, LaminarError, TransportError
+from laminar_common.errors import ConfigError, EngineWedgedError, LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
@@ -55,6 +55,7 @@ from .config import WorkerConfig
 from .conversations import Completed, make_conversations
 from .engines import EngineError, GenerationEngine, GenerationOutput, GenerationRequest
 from .engines import SamplingParams as EngineSampling
+from .engines.base import call_with_deadline
 from .rewards import RewardFn, RewardPool, load_reward_fn
 from .tokenizer import Tokenizer
 from .version import __version__
@@ -225,6 +226,11 @@ class WorkerService(Service):
             Metric("exported_total", "counter", "trajectories handed back by repack",
                    c["exported"]),
             Metric("weight_loads_total", "counter", "weight versions loaded", c["weight_loads"]),
+            Metric("weight_pull_failures_total", "counter",
+                   "weight fetches or loads that failed (retried)", c["pull_failed"]),
+            Metric("weight_loads_wedged_total", "counter",
+                   "weight loads that did not return within weight_load_timeout_s",
+                   c["weight_load_wedged"]),
             Metric("weight_delta_loads_total", "counter",
                    "weight versions rebuilt from delta versions", c["weight_delta_loads"]),
             Metric("weight_fetched_bytes_total", "counter",
@@ -301,6 +307,9 @@ class WorkerService(Service):
                     time.monotonic() >= self._pull_retry_at:
                 try:
                     self._load_weights(self._pull)
+                except EngineWedgedError:
+                    self.counters["weight_load_wedged"] += 1
+                    raise  # fails the service: leave the job, exit 1, be restarted
                 except LaminarError as exc:
                     # A relay may have died with the version; a newer one will come.
                     self.counters["pull_failed"] += 1
@@ -577,14 +586,24 @@ class WorkerService(Service):
         self._mark("weights")
         t0 = time.monotonic()
         fetched = self.fetch_weights(version)
-        try:
+        wedged = False
+
+        def load() -> None:
             with warnings.catch_warnings():
                 # torch.frombuffer warns on read-only (shared-memory) buffers; the
                 # engine copies the values into its parameters before release().
                 warnings.simplefilter("ignore", UserWarning)
                 self.engine.load_weights(fetched.version, fetched.tensors)
+
+        try:
+            call_with_deadline(load, self.config.weight_load_timeout_s,
+                               f"worker {self.worker_id}: loading weights v{fetched.version}")
+        except EngineWedgedError:
+            wedged = True  # the engine may still read the buffer: never release it
+            raise
         finally:
-            fetched.release()
+            if not wedged:
+                fetched.release()
         got = fetched.version
         dt = time.monotonic() - t0
         self.weight_wait_s += dt

@@ -104,11 +104,18 @@ def make_engine_from_config(config: EngineConfig) -> GenerationEngine:
                                      max_length=config.max_length),
             step_time_base=config.step_time_base, step_time_per_seq=config.step_time_per_seq,
             prefill_time_per_token=config.prefill_time_per_token,
-            vocab_size=config.vocab_size, seed=seed)
+            vocab_size=config.vocab_size, seed=seed,
+            weight_load_time_s=config.weight_load_time_s)
     if config.type == "vllm":
         return make_engine("vllm", model=config.model_dir, max_batch=config.max_batch,
                            gpu_memory_utilization=config.gpu_memory_utilization,
-                           context_length=config.context_length, seed=seed)
+                           context_length=config.context_length, seed=seed,
+                           tensor_parallel_size=config.tensor_parallel_size,
+                           dtype=config.dtype, enforce_eager=config.enforce_eager,
+                           enable_prefix_caching=config.enable_prefix_caching,
+                           engine_kwargs=dict(config.engine_kwargs),
+                           weight_bucket_bytes=config.weight_bucket_mb << 20,
+                           weight_update_timeout_s=config.weight_update_timeout_s)
     return make_engine("custom", factory=config.factory, **config.options)
 
 

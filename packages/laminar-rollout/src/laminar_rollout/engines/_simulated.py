@@ -159,6 +159,8 @@ class SimulatedEngine(GenerationEngine):
             request's own seed when set).
         weight_version: Initial version.
         clock: Time source; defaults to ``MonotonicClock()``.
+        weight_load_time_s: Seconds one ``load_weights`` takes (on ``clock``): a
+            real engine's weight update (copy into the model, cache reset).
     """
 
     def __init__(
@@ -176,6 +178,7 @@ class SimulatedEngine(GenerationEngine):
         seed: int = 0,
         weight_version: int = 0,
         clock: Clock | None = None,
+        weight_load_time_s: float = 0.0,
     ) -> None:
         self._table = SequenceTable(max_batch)
         if context_length < 2:
@@ -184,6 +187,7 @@ class SimulatedEngine(GenerationEngine):
             ("step_time_base", step_time_base),
             ("step_time_per_seq", step_time_per_seq),
             ("prefill_time_per_token", prefill_time_per_token),
+            ("weight_load_time_s", weight_load_time_s),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
@@ -192,6 +196,7 @@ class SimulatedEngine(GenerationEngine):
         if not 0 <= eos_token_id < vocab_size:
             raise ValueError(f"eos_token_id must be in [0, vocab_size), got {eos_token_id!r}")
         self._context_length = context_length
+        self._load_time = weight_load_time_s
         self._kv_capacity = (
             max_batch * context_length if kv_capacity_tokens is None else kv_capacity_tokens
         )
@@ -297,6 +302,8 @@ class SimulatedEngine(GenerationEngine):
             for name, _tensor in named_tensors:
                 if not isinstance(name, str):
                     raise EngineError(f"weights v{version}: tensor name {name!r} is not a str")
+        if self._load_time:
+            self._clock.sleep(self._load_time)
         self._version = version
 
     # -- stepping --------------------------------------------------------------------

@@ -3,42 +3,64 @@
 This is the only module of Laminar that imports vLLM (``pip install
 laminar-rollout[vllm]``); ``make_engine("vllm", ...)`` imports it lazily.
 
-What it relies on in vLLM (V1 engine, >= 0.10):
+Written against vLLM's source (read at 0.34.0, checked back to 0.11 where
+noted); it has not run here (no GPU and no vLLM wheel on the build machine,
+see the package README). What it relies on:
 
-- ``LLMEngine.from_engine_args`` / ``add_request(id, TokensPrompt, SamplingParams)``
-  / ``step()`` / ``abort_request`` / ``has_unfinished_requests``;
-- ``SamplingParams(logprobs=0)``: the log-prob of the sampled token only, with
+- ``LLMEngine.from_engine_args(EngineArgs(...))`` / ``add_request(id,
+  TokensPrompt, SamplingParams)`` / ``step()`` / ``abort_request(ids)`` /
+  ``reset_prefix_cache()`` / ``collective_rpc(method, timeout, args)`` /
+  ``get_metrics()``;
+- ``SamplingParams(logprobs=0)``: the sampled token's log-prob only, with
   ``output_kind=DELTA`` so each step returns just the new tokens;
-- ``EngineArgs(logprobs_mode="processed_logprobs")``: log-probs after
-  temperature. This equals Laminar's definition (full-vocabulary log-softmax
-  at the sampling temperature, see ``base``) when ``top_k == 0`` and
-  ``top_p == 1``; with truncation vLLM reports the renormalised truncated
-  distribution instead. Greedy requests get untempered log-probs, as defined;
-- weight updates without a restart: ``EngineArgs(worker_extension_cls=...)``
-  mixes ``LaminarWorkerExtension`` into every worker, and
-  ``LLMEngine.collective_rpc("laminar_load_weights", args=(tensors,))`` calls
-  ``model_runner.model.load_weights(weights)`` (Hugging Face parameter names;
-  vLLM maps them onto its fused layers) on each worker; the prefix cache is
-  reset afterwards so no KV computed with old weights is reused.
+- ``EngineArgs(logprobs_mode="processed_logprobs")``: the log-softmax of the
+  logits after temperature (and after top-k / top-p masking, renormalised over
+  the kept tokens). That equals Laminar's definition (full-vocabulary
+  log-softmax at the sampling temperature, see ``base``) exactly when nothing
+  is masked, so this engine refuses ``top_k > 0`` or ``top_p < 1`` at
+  ``add_request`` rather than report log-probs of another distribution. vLLM has
+  no mode of "after temperature, before masking". Greedy requests get
+  untempered log-probs, as defined;
+- weight updates without a restart, vLLM's RL path for weights that arrive on
+  the host: ``EngineArgs(worker_extension_cls=...)`` mixes
+  ``LaminarWorkerExtension`` into every worker, and ``collective_rpc`` calls its
+  ``laminar_begin_update`` / ``laminar_load_weights(bucket)`` /
+  ``laminar_finish_update`` on each worker. The tensors go in buckets of at most
+  ``weight_bucket_bytes`` into ``model.load_weights`` (Hugging Face names; vLLM
+  maps them onto its fused and tensor-parallel layers). Where vLLM has the
+  layerwise reload (``vllm.model_executor.model_loader.reload``, >= 0.16), a
+  quantized model is updated between ``start_reload`` and ``finish_reload``
+  (what vLLM's own weight-transfer engines do); older vLLM updates unquantized
+  models only. The prefix cache is reset afterwards so no KV computed with old
+  weights is reused. Every call has a deadline (``weight_update_timeout_s``,
+  enforced here: vLLM's in-process executor ignores ``collective_rpc``'s own
+  timeout); one that does not return raises ``EngineWedgedError`` and the worker
+  leaves the job and is restarted;
+- ``get_metrics()`` (``disable_log_stats=False``): ``vllm:kv_cache_usage_perc``,
+  ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` from vLLM's
+  own scheduler stats give ``load()`` (repack's KV signal); before the first
+  step reports them, Laminar's own records do.
 
 By default the engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 unless the caller set it), so tensors reach ``load_weights`` by reference; in
-multiprocess mode vLLM serialises them to the workers (a copy).
+multiprocess mode vLLM serialises each bucket to the workers (a copy).
 
 Limits: seeded sampling of a resumed request does not reproduce the
-uninterrupted trajectory (vLLM's per-request generator restarts); ``load()``
-splits unfinished requests into active/queued by ``max_batch`` and counts KV
-tokens from Laminar's own records (vLLM's block accounting is internal).
+uninterrupted trajectory (vLLM's per-request generator restarts); vLLM's stats
+live in a process-wide registry, so one process should hold one VllmEngine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from laminar_common.errors import EngineWedgedError
 
 from ._sequences import SequenceState, SequenceTable
 from .base import (
@@ -49,7 +71,9 @@ from .base import (
     GenerationOutput,
     GenerationRequest,
     PartialProgress,
+    call_with_deadline,
     check_load_weights_allowed,
+    weight_buckets,
 )
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -62,15 +86,49 @@ logger = logging.getLogger(__name__)
 
 _EXTENSION = f"{__name__}.LaminarWorkerExtension"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
+_STATS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 class LaminarWorkerExtension:
     """Mixed into each vLLM worker (``worker_extension_cls``); runs inside the worker."""
 
+    def _laminar_config_scope(self):
+        try:
+            from vllm.config import set_current_vllm_config
+        except ImportError:  # pragma: no cover - older vLLM
+            return contextlib.nullcontext()
+        return set_current_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
+
+    def laminar_begin_update(self) -> bool:
+        """Start an update; True when vLLM's layerwise reload wraps it (quantized)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        self._laminar_reload = False
+        if getattr(self.model_config, "quantization", None):  # type: ignore[attr-defined]
+            try:
+                from vllm.model_executor.model_loader.reload import start_reload
+            except ImportError as exc:
+                raise RuntimeError("updating a quantized model's weights needs vLLM's "
+                                   "layerwise reload (vLLM >= 0.16)") from exc
+            with self._laminar_config_scope():
+                start_reload(model)
+            self._laminar_reload = True
+        return self._laminar_reload
+
     def laminar_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         model = self.model_runner.model  # type: ignore[attr-defined]
-        loaded = model.load_weights(weights=named_tensors)
+        with self._laminar_config_scope():
+            loaded = model.load_weights(weights=named_tensors)
         return len(loaded) if loaded is not None else len(named_tensors)
+
+    def laminar_finish_update(self) -> bool:
+        if getattr(self, "_laminar_reload", False):
+            from vllm.model_executor.model_loader.reload import finish_reload
+
+            with self._laminar_config_scope():
+                finish_reload(self.model_runner.model,  # type: ignore[attr-defined]
+                              self.model_config, self.device)  # type: ignore[attr-defined]
+            self._laminar_reload = False
+        return True
 
 
 class VllmEngine(GenerationEngine):
@@ -84,9 +142,11 @@ class VllmEngine(GenerationEngine):
         eos_token_ids: ``None`` keeps vLLM's EOS handling; otherwise exactly
             these ids end every response (``()`` disables EOS).
         seed: Engine seed.
-        dtype, gpu_memory_utilization, tensor_parallel_size, enforce_eager:
-            Passed to ``EngineArgs``.
+        dtype, gpu_memory_utilization, tensor_parallel_size, enforce_eager,
+        enable_prefix_caching: Passed to ``EngineArgs`` (``None``: vLLM's default).
         engine_kwargs: Further ``EngineArgs`` fields (override the above).
+        weight_bucket_bytes: Most bytes handed to the workers in one weight-update call.
+        weight_update_timeout_s: Deadline of each weight-update call.
 
     Raises:
         EngineError: vLLM refused the configuration.
@@ -105,7 +165,10 @@ class VllmEngine(GenerationEngine):
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
+        enable_prefix_caching: bool | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        weight_bucket_bytes: int = 512 << 20,
+        weight_update_timeout_s: float = 120.0,
     ) -> None:
         args: dict[str, Any] = {
             "model": os.fspath(model),
@@ -117,16 +180,23 @@ class VllmEngine(GenerationEngine):
             "enforce_eager": enforce_eager,
             "worker_extension_cls": _EXTENSION,
             "logprobs_mode": "processed_logprobs",
-            "disable_log_stats": True,
+            "disable_log_stats": False,  # load() reads vLLM's scheduler stats
         }
         if context_length is not None:
             args["max_model_len"] = context_length
+        if enable_prefix_caching is not None:
+            args["enable_prefix_caching"] = enable_prefix_caching
+        if weight_bucket_bytes < 1 or not weight_update_timeout_s > 0:
+            raise EngineError(f"weight_bucket_bytes ({weight_bucket_bytes}) must be >= 1 and "
+                              f"weight_update_timeout_s ({weight_update_timeout_s}) > 0")
         args.update(engine_kwargs or {})
         try:
             self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
         except (TypeError, ValueError) as exc:
             raise EngineError(f"vLLM refused the engine configuration {args}: {exc}") from exc
         self._max_batch = max_batch
+        self._bucket_bytes = weight_bucket_bytes
+        self._update_timeout = weight_update_timeout_s
         self._context_length = int(self._engine.model_config.max_model_len)
         self._version = weight_version
         self._weights_intact = True
@@ -168,6 +238,12 @@ class VllmEngine(GenerationEngine):
                 f"({len(request.resume_token_ids)}) exceed context_length {self._context_length}"
             )
         params = request.params
+        if params.temperature > 0 and (params.top_k > 0 or params.top_p < 1):
+            raise EngineError(
+                f"request {rid!r}: top_k={params.top_k} / top_p={params.top_p}: vLLM reports "
+                "log-probs renormalised over the kept tokens, not the full-vocabulary ones "
+                "the trainer's importance ratios need; sample with top_k 0 and top_p 1 on "
+                "vLLM (or use the torch engine, which records them exactly)")
         seq = SequenceState(
             request=request,
             token_ids=list(request.resume_token_ids),
@@ -184,7 +260,7 @@ class VllmEngine(GenerationEngine):
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
+            top_k=0,
             max_tokens=params.max_tokens - len(seq.token_ids),
             stop_token_ids=stop_ids,
             ignore_eos=self._eos is not None,
@@ -223,8 +299,6 @@ class VllmEngine(GenerationEngine):
 
     def load(self) -> EngineLoad:
         n = len(self._seqs)
-        active = min(n, self._max_batch)
-        kv_used = sum(s.total_length for s in list(self._seqs.values())[:active])
         cache = getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
         blocks = getattr(cache, "num_gpu_blocks", None)
         capacity = (
@@ -232,7 +306,33 @@ class VllmEngine(GenerationEngine):
             if blocks
             else self._max_batch * self._context_length
         )
+        stats = self._scheduler_stats() if n else None
+        if stats is not None:
+            usage, running, waiting = stats
+            # vLLM's counts may lag a step behind Laminar's (finished / newly added).
+            active = min(running, n)
+            return EngineLoad(active, n - active, self._max_batch, round(usage * capacity),
+                              capacity)
+        active = min(n, self._max_batch)
+        kv_used = sum(s.total_length for s in list(self._seqs.values())[:active])
         return EngineLoad(active, n - active, self._max_batch, kv_used, capacity)
+
+    def _scheduler_stats(self) -> tuple[float, int, int] | None:
+        """(KV-cache usage fraction, running, waiting) from vLLM's own scheduler stats,
+        or None before a step has reported them."""
+        try:
+            metrics = self._engine.get_metrics()
+        except AssertionError:  # "Stat logging disabled" (engine_kwargs turned it off)
+            return None
+        found: dict[str, float] = {}
+        for metric in metrics:
+            if metric.name in _STATS and hasattr(metric, "value"):
+                found[metric.name] = found.get(metric.name, 0.0) + float(metric.value)
+        if len(found) < len(_STATS):
+            return None
+        return (min(max(found["vllm:kv_cache_usage_perc"], 0.0), 1.0),
+                int(found["vllm:num_requests_running"]),
+                int(found["vllm:num_requests_waiting"]))
 
     def progress(self) -> list[PartialProgress]:
         return [
@@ -280,11 +380,32 @@ class VllmEngine(GenerationEngine):
         if not tensors:
             raise EngineError(f"weights v{version}: no tensors were given")
         self._weights_intact = False
-        try:
-            self._engine.collective_rpc("laminar_load_weights", args=(tensors,))
-        except Exception as exc:
-            raise EngineError(f"vLLM rejected weights v{version}: {exc}") from exc
+        buckets = 0
+        self._rpc("laminar_begin_update", version)
+        for bucket in weight_buckets(tensors, self._bucket_bytes):
+            self._rpc("laminar_load_weights", version, bucket)
+            buckets += 1
+        self._rpc("laminar_finish_update", version)
         self._engine.reset_prefix_cache()
         self._weights_intact = True
         self._version = version
-        logger.info("loaded weights v%d (%d tensors) into vLLM", version, len(tensors))
+        logger.info("loaded weights v%d (%d tensors, %d buckets) into vLLM", version,
+                    len(tensors), buckets)
+
+    def _rpc(self, method: str, version: int, *args: Any) -> list[Any]:
+        """``collective_rpc(method)`` on every worker, within the update deadline.
+
+        Raises:
+            EngineWedgedError: no answer in time (the engine may still be in the call).
+            EngineError: a worker raised.
+        """
+        what = f"vLLM {method} for weights v{version}"
+        try:
+            return call_with_deadline(
+                lambda: self._engine.collective_rpc(method, timeout=self._update_timeout,
+                                                    args=args),
+                self._update_timeout, what)
+        except EngineWedgedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; all refuse the load
+            raise EngineError(f"{what} failed: {type(exc).__name__}: {exc}") from exc

@@ -48,11 +48,12 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
-from laminar_common.errors import EngineError
+from laminar_common.errors import EngineError, EngineWedgedError
 
 if TYPE_CHECKING:
     import torch
@@ -402,3 +403,57 @@ def check_load_weights_allowed(engine: GenerationEngine, version: int) -> None:
             f"weight version regression refused: v{version} is not newer than the loaded "
             f"v{engine.weight_version}"
         )
+
+
+_T = TypeVar("_T")
+
+
+def call_with_deadline(fn: Callable[[], _T], timeout_s: float, what: str) -> _T:
+    """``fn()``, run on a helper thread and waited for at most ``timeout_s`` seconds.
+
+    An exception of ``fn`` is re-raised here (a ``TimeoutError`` of the engine's own,
+    e.g. vLLM's multiprocess executor, as :class:`EngineWedgedError`).
+
+    Raises:
+        EngineWedgedError: ``fn`` did not return in time. It may still be running
+            (a thread cannot be stopped), so whatever it was working on must not be
+            used again; ``what`` names the call in the message.
+    """
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"deadline-{what[:40]}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise EngineWedgedError(f"{what} did not return within {timeout_s:g}s: the engine is "
+                                "wedged and this process cannot use it again")
+    error = box.get("error")
+    if isinstance(error, TimeoutError):
+        raise EngineWedgedError(f"{what} timed out inside the engine: {error}") from error
+    if isinstance(error, BaseException):
+        raise error
+    return box["value"]  # type: ignore[return-value]
+
+
+def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit_bytes: int
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``named_tensors`` in order, cut into lists of at most ``limit_bytes`` (a tensor
+    larger than that alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
