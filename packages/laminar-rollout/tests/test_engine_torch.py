@@ -512,3 +512,26 @@ def test_a_next_turn_continues_from_its_cache_and_prefills_only_the_new_tokens(m
     # Only the stop-less last token of the turn and the tool tokens (but the last) ran.
     assert cached.prefilled_tokens == len(tool) and cached.kv_reused_tokens == 8
     assert full.prefilled_tokens == 3 + len(resume)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_sampled_logprobs_match_a_teacher_forced_forward(dtype):
+    # The engine on the GPU (fp32 and bf16 weights), sampling at T=0.8 with slots
+    # compacting: each recorded log-prob is the full-vocabulary log-softmax at T of the
+    # same weights, teacher forced in float64 on the CPU (bf16: to bf16's precision).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    weights = _build(dtype=dtype)
+    engine = TorchEngine(weights, max_batch=4, eos_token_ids=(), device="cuda", seed=1)
+    reqs = [GenerationRequest(f"r{i}", [(5 * i + j) % VOCAB for j in range(2 + i)],
+                              SamplingParams(temperature=0.8, max_tokens=6 + 3 * i))
+            for i in range(6)]
+    outs = {o.request_id: o for o in engine.run_until_done(reqs)}
+    ref = weights.to("cpu", torch.float64)
+    tol = 1e-4 if dtype == torch.float32 else 1e-1
+    for req in reqs:
+        out = outs[req.request_id]
+        assert len(out.token_ids) == req.params.max_tokens
+        want = teacher_forced_logprobs(ref, list(req.prompt_token_ids), list(out.token_ids), 0.8)
+        assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), want, atol=tol)
