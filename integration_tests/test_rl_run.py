@@ -132,10 +132,11 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path,
 def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn, tmp_path,
                                                                       warm):
     """The trainer under torchrun (2 gloo ranks, FSDP2) in the real stack: the weights
-    gathered from the shards reach the relay and the worker, and its full-state
-    checkpoint resumes in one process. Versions go as deltas (a full one every 3rd):
-    the last one, rebuilt by a new reader from the full version 3 and the delta 4, is
-    the last checkpoint's weights bit for bit."""
+    gathered from the shards reach the relay and the worker, and its sharded checkpoint
+    (each rank writing its own shards) resumes in one process. Versions go as deltas (a
+    full one every 3rd): the last one, rebuilt by a new reader from the full version 3
+    and the delta 4, is the final weights (gathered from the shards) bit for bit.
+    (Full-state checkpoints across ranks: tests/test_distributed.py.)"""
     job = "rl-fsdp"
     run_dir, ckpt, state_dir = tmp_path / "trainer", tmp_path / "ckpt", tmp_path / "manager"
     manager, worker = _rollout_tiers(etcd, spawn, job, warm, state_dir)
@@ -144,6 +145,7 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
                     "--set", f"model_dir={warm / 'model'}", "--set", "batch_groups=4",
                     "--set", f"run_dir={run_dir}", "--set", f"checkpoint.dir={ckpt}",
                     "--set", "checkpoint.every_steps=2", "--set", "device=cpu",
+                    "--set", "checkpoint.format=sharded",
                     "--set", f"eval.prompts={warm / 'eval.jsonl'}",
                     "--set", "eval.max_new_tokens=10", "--set", "eval.every_steps=2",
                     "--set", "publish_delta_full_every=3",
@@ -184,15 +186,17 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
             views = {name: bytes(view) for name, view in fetched.tensors().items()}
     finally:
         coord.close()
-    saved = load_file(str(ckpt / f"step-{steps:08d}" / "model" / "model.safetensors"))
+    last = ckpt / f"step-{steps:08d}"
+    assert (last / "sharded" / ".metadata").is_file() and not (last / "model").exists()
+    assert sorted(p.name for p in (last / "sharded").glob("*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"]  # one file of shards per rank, nothing gathered
+    saved = load_file(str(run_dir / "final" / "model.safetensors"))
     assert set(published) == set(saved)
     for name, tensor in saved.items():
         assert tensor.dtype == torch.float32, name
         assert published[name] == ("bfloat16", tuple(tensor.shape)), name
         cast = tensor.to(torch.bfloat16).contiguous()
         assert views[name] == cast.view(torch.uint8).numpy().tobytes(), name
-    final = load_file(str(run_dir / "final" / "model.safetensors"))
-    assert all(torch.equal(final[name], tensor) for name, tensor in saved.items())
 
     # The two-rank checkpoint resumes in a single process and goes on.
     single = spawn("trainer-single", "laminar_trainer.cli", *trainer_args,
