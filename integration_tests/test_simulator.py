@@ -92,3 +92,63 @@ def test_bad_configs_are_refused():
         Cluster(4, rollout_fraction=0.75, gpus_per_worker=8)
     with pytest.raises(ValueError, match="decode_base_s"):
         TimeModel(decode_base_s=-1.0)
+
+
+def test_decode_cost_grows_with_the_kv_cache():
+    # steps_in and time_for invert each other, and a KV term makes the same work slower.
+    from simlib import _Sim
+
+    sim = _Sim(CLUSTER, MODEL, WORKLOAD, SimConfig("laminar"))
+    w = sim.workers[0]
+    w.n, w.kv_offset, w.s_ref = 20, 4000.0, 100.0
+    for steps in (1.0, 37.5, 900.0):
+        assert sim.time_for(w, sim.steps_in(w, sim.time_for(w, steps))) == \
+            pytest.approx(sim.time_for(w, steps), rel=1e-9)
+        assert sim.steps_in(w, sim.time_for(w, steps)) == pytest.approx(steps, rel=1e-9)
+    no_kv = TimeModel(**{**MODEL.__dict__, "decode_per_kv_token_s": 0.0})
+    slow, fast = _run("laminar", seed=1), simulate(CLUSTER, no_kv, WORKLOAD,
+                                                   SimConfig("laminar", measure_steps=4,
+                                                             warmup_steps=2, seed=1))
+    assert slow.generation_tok_s < fast.generation_tok_s
+
+
+def test_colocated_sync_trains_on_every_gpu_and_pays_the_switch():
+    colo = Cluster(32, gpus_per_worker=2, colocated=True)
+    assert colo.rollout_gpus == colo.trainer_gpus == 32 and colo.workers == 16
+    r = simulate(colo, MODEL, WORKLOAD, SimConfig("sync", measure_steps=3, warmup_steps=1))
+    assert r.duplicate_consumes == 0 and r.consumed_not_done == 0
+    assert r.staleness_max == 0 and r.weight_wait_per_pull_s == 0.0
+    cheap = TimeModel(**{**MODEL.__dict__, "colocate_switch_s": 0.0})
+    r0 = simulate(colo, cheap, WORKLOAD, SimConfig("sync", measure_steps=3, warmup_steps=1))
+    assert r.mean_step_s == pytest.approx(r0.mean_step_s + MODEL.colocate_switch_s, rel=1e-6)
+
+
+def test_nccl_one_step_syncs_every_engine_at_once_and_the_trainer_waits():
+    r = _run("one-step", weight_sync="nccl")
+    assert r.duplicate_consumes == 0 and r.consumed_not_done == 0
+    assert r.staleness_max <= 1
+    # Every worker got each version in the sync (none pulled from a relay): the wait per
+    # "pull" is the sync's duration.
+    assert r.weight_wait_per_pull_s == pytest.approx(MODEL.nccl_sync_s(CLUSTER.rollout_gpus))
+    relay = _run("one-step")
+    assert r.throughput_tok_s < relay.throughput_tok_s  # the trainer waits for idle engines
+    assert MODEL.nccl_sync_s(1024) > MODEL.nccl_sync_s(64)
+    with pytest.raises(ValueError, match="laminar mode publishes through the relays"):
+        SimConfig("laminar", weight_sync="nccl")
+
+
+def test_correlated_group_lengths_keep_the_marginal():
+    import numpy as np
+
+    lengths = LogNormalLengths(median=256, tail_ratio=10.0, max_length=100_000)
+    for rho in (0.0, 0.8):
+        wl = Workload(lengths=lengths, group_size=8, group_correlation=rho)
+        rng = np.random.default_rng(0)
+        groups = np.log(np.array([wl.group_lengths(rng) for _ in range(3000)], dtype=float))
+        assert np.exp(np.median(groups)) == pytest.approx(256, rel=0.05)
+        p99 = np.exp(np.percentile(groups, 99))
+        assert p99 / 256 == pytest.approx(10.0, rel=0.15)
+        within = np.corrcoef(groups[:, 0], groups[:, 1])[0, 1]
+        assert within == pytest.approx(rho, abs=0.06)
+    with pytest.raises(ValueError, match="group_correlation"):
+        Workload(group_correlation=1.5)

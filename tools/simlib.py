@@ -90,6 +90,12 @@ class TimeModel:
     d2h_bandwidth: float = 25e9
     train_tokens_per_gpu_s: float = 1200.0
     train_step_overhead_s: float = 3.0
+    decode_per_kv_token_s: float = 2.2e-8
+    colocate_switch_s: float = 5.0
+    nccl_bandwidth: float = 25e9
+    nccl_tensors: int = 771
+    nccl_latency_s: float = 50e-6
+    nccl_latency_per_hop_s: float = 100e-6
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -99,9 +105,19 @@ class TimeModel:
                      "d2h_bandwidth", "train_tokens_per_gpu_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"time model: {name} must be > 0")
+        if self.nccl_bandwidth <= 0:
+            raise ValueError("time model: nccl_bandwidth must be > 0")
 
-    def decode_step_s(self, n: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * n
+    def decode_step_s(self, n: int, kv_tokens: float = 0.0) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * n + \
+            self.decode_per_kv_token_s * kv_tokens
+
+    def nccl_sync_s(self, ranks: int) -> float:
+        """A global NCCL-style weight sync to ``ranks`` rollout GPUs (plus the trainer's):
+        the bytes at ``nccl_bandwidth`` once (a pipelined ring or tree), and per tensor a
+        collective whose latency grows with the log of the ranks it spans."""
+        return self.weight_bytes / self.nccl_bandwidth + self.nccl_tensors * (
+            self.nccl_latency_s + self.nccl_latency_per_hop_s * math.log2(max(2, ranks)))
 
     def broadcast_s(self, hops: int) -> float:
         return self.weight_bytes / self.relay_bandwidth + hops * self.chunk_bytes / \
@@ -120,9 +136,12 @@ class TimeModel:
         """The time model as printable lines, with the numbers in use."""
         m = self
         lines = [
-            f"decode step  = a + b*batch = {m.decode_base_s * 1e3:.1f} ms + "
-            f"{m.decode_per_seq_s * 1e3:.3f} ms * batch  (batch <= {m.max_batch}; "
-            f"{m.max_batch / m.decode_step_s(m.max_batch):.0f} tok/s per worker when full)",
+            f"decode step  = a + b*batch + k*KV = {m.decode_base_s * 1e3:.1f} ms + "
+            f"{m.decode_per_seq_s * 1e3:.3f} ms * batch + {m.decode_per_kv_token_s * 1e9:.0f} "
+            f"ns * KV tokens  (batch <= {m.max_batch}; "
+            f"{m.max_batch / m.decode_step_s(m.max_batch):.0f} tok/s per worker when full, "
+            f"{m.max_batch / m.decode_step_s(m.max_batch, m.kv_capacity_tokens):.0f} with a "
+            "full KV cache)",
             f"prefill      = {m.prefill_per_token_s * 1e6:.0f} us/token, decoding stalls; "
             "migrated / preempted trajectories re-prefill prompt + generated tokens",
             f"KV cache     = {m.kv_capacity_tokens:,} tokens per worker; newest sequences are "
@@ -141,6 +160,14 @@ class TimeModel:
                 f"{d.tail_ratio:.0f}, cap {d.max_length}; prompt {workload.prompt_tokens} tokens; "
                 f"global batch {workload.batch_groups} prompts x {workload.group_size} samples "
                 f"= {workload.batch_trajectories} trajectories")
+        lines.append(
+            f"colocated    = sync on all GPUs; {m.colocate_switch_s:.1f} s per step to switch "
+            "generate <-> train (offload / reload weights and KV, reshard)")
+        lines.append(
+            f"NCCL sync    = weights / {m.nccl_bandwidth / 1e9:.0f} GB/s + {m.nccl_tensors} "
+            f"tensors x ({m.nccl_latency_s * 1e6:.0f} us + "
+            f"{m.nccl_latency_per_hop_s * 1e6:.0f} us x log2 ranks); every engine idle, "
+            "the trainer waits")
         if cluster is not None:
             lines.append(
                 f"cluster      = {cluster.gpus} GPUs: {cluster.rollout_gpus} rollout "
@@ -160,6 +187,9 @@ class Cluster:
     rollout_fraction: float = 0.75
     gpus_per_worker: int = 4
     gpus_per_host: int = 8
+    colocated: bool = False
+    """Every GPU generates, then every GPU trains (verl's synchronous mode):
+    ``rollout_fraction`` is ignored, and each step pays ``TimeModel.colocate_switch_s``."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_worker < 1 or self.gpus_per_host < 1:
@@ -174,12 +204,14 @@ class Cluster:
 
     @property
     def rollout_gpus(self) -> int:
+        if self.colocated:
+            return self.gpus // self.gpus_per_worker * self.gpus_per_worker
         return round(self.gpus * self.rollout_fraction / self.gpus_per_worker) * \
             self.gpus_per_worker
 
     @property
     def trainer_gpus(self) -> int:
-        return self.gpus - self.rollout_gpus
+        return self.gpus if self.colocated else self.gpus - self.rollout_gpus
 
     @property
     def workers(self) -> int:
@@ -198,10 +230,29 @@ class Workload:
     prompt_tokens: int = 256
     group_size: int = 16
     batch_groups: int = 512
+    group_correlation: float = 0.0
+    """Correlation of log response lengths within a prompt group (0: i.i.d.). The
+    marginal stays ``lengths``: log L = log median + sigma (sqrt(r) z_prompt +
+    sqrt(1 - r) z_sample), capped at ``max_length``."""
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.group_size < 1 or self.batch_groups < 1:
             raise ValueError("prompt_tokens, group_size and batch_groups must be >= 1")
+        if not 0.0 <= self.group_correlation <= 1.0:
+            raise ValueError(f"group_correlation must be in [0, 1], got {self.group_correlation}")
+
+    def group_lengths(self, rng: np.random.Generator) -> list[int]:
+        """One prompt group's response lengths (i.i.d. draws of ``lengths`` when the
+        correlation is 0)."""
+        if self.group_correlation == 0.0:
+            return [self.lengths.sample(rng) for _ in range(self.group_size)]
+        d = self.lengths
+        sigma = math.log(d.tail_ratio) / 2.3263478740408408 if d.tail_ratio > 1 else 0.0
+        shared = math.sqrt(self.group_correlation) * rng.standard_normal()
+        own = math.sqrt(1.0 - self.group_correlation) * rng.standard_normal(self.group_size)
+        cap = d.max_length if d.max_length is not None else 1 << 30
+        return [int(min(cap, max(1, round(d.median * math.exp(sigma * (shared + z))))))
+                for z in own]
 
     @property
     def batch_trajectories(self) -> int:
@@ -227,6 +278,11 @@ class SimConfig:
             the grants are water-filled over the latest-version workers. ``None`` = no
             bound: when rollouts outpace the trainer, the backlog and the staleness grow
             with the length of the run.
+        weight_sync: ``relay`` (the trainer snapshots and goes on; the relay chain spreads
+            the version; each worker pulls when it needs it) or ``nccl`` (barrier modes: a
+            global NCCL-style broadcast once the trainer finished a step and every engine
+            is idle; the trainer waits for it, and every worker has the version after it,
+            ``TimeModel.nccl_sync_s``). A colocated cluster syncs in place (the switch).
         check_invariants: Compare the simulator's per-worker counts with
             ``TrajectoryLedger.assigned`` after every trainer step (slow; for tests).
     """
@@ -240,12 +296,17 @@ class SimConfig:
     repack_min_sources: int = _REPACK_DEFAULTS.min_sources
     report_interval_s: float = 0.5
     laminar_max_staleness: int | None = None
+    weight_sync: str = "relay"
     seed: int = 0
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r}: expected one of {', '.join(MODES)}")
+        if self.weight_sync not in ("relay", "nccl"):
+            raise ValueError(f"weight_sync {self.weight_sync!r}: expected relay or nccl")
+        if self.weight_sync == "nccl" and self.mode == "laminar":
+            raise ValueError("laminar mode publishes through the relays (weight_sync relay)")
         if self.measure_steps < 1 or self.warmup_steps < 0 or self.warmup_s < 0:
             raise ValueError("need measure_steps >= 1, warmup_steps >= 0 and warmup_s >= 0")
         if self.laminar_max_staleness is not None and self.laminar_max_staleness < 0:
@@ -332,14 +393,22 @@ class _Sim:
         self.rng = np.random.default_rng(config.seed)
         self.a, self.b, self.c = model.decode_base_s, model.decode_per_seq_s, \
             model.prefill_per_token_s
+        self.k = model.decode_per_kv_token_s
+        self.colocated = cluster.colocated
+        self.nccl = config.weight_sync == "nccl" and not cluster.colocated
+        self.sync_pending: int | None = None
+        self.sync_started = False
+        self.sync_began = 0.0
         self.max_batch, self.kv_cap = model.max_batch, float(model.kv_capacity_tokens)
         self.prompt = workload.prompt_tokens
         self.gs, self.bg = workload.group_size, workload.batch_groups
         per_host = max(1, cluster.gpus_per_host // cluster.gpus_per_worker)
         self.workers = [_Worker(i, i // per_host) for i in range(cluster.workers)]
         self.by_wid = {w.wid: w for w in self.workers}
-        self.hop_s = model.chunk_bytes / model.relay_bandwidth
-        self.load_s = model.load_s(cluster.gpus_per_worker)
+        # Colocated: the trainer's GPUs are the rollouts' (weights resharded in place, in
+        # the switch cost); no relay hop, no load.
+        self.hop_s = 0.0 if self.colocated else model.chunk_bytes / model.relay_bandwidth
+        self.load_s = 0.0 if self.colocated else model.load_s(cluster.gpus_per_worker)
         self.ledger = TrajectoryLedger()
         max_len = workload.lengths.max_length
         self.sampling = SamplingSpec(max_tokens=max_len if max_len is not None else 1 << 30)
@@ -419,6 +488,8 @@ class _Sim:
             if self.dirty or self.all_dirty:
                 self.manage(now)
             self.try_train(now)
+            if self.nccl:
+                self.maybe_start_sync(now)
         if not self.finished:
             raise RuntimeError(f"simulation stalled at t={now:.1f} s after "
                                f"{len(self.step_end)} trainer steps (no events left)")
@@ -439,7 +510,7 @@ class _Sim:
             kv0 = w.kv_offset + n * w.s_ref
             if now > start:
                 decode = now - start
-                s_now = w.s_ref + decode / (self.a + self.b * n)
+                s_now = w.s_ref + self.steps_in(w, decode)
                 kv1 = w.kv_offset + n * s_now
                 acc[2] += (start - t0) * kv0 + decode * 0.5 * (kv0 + kv1)
                 acc[3] += n * (s_now - w.s_ref)
@@ -465,8 +536,23 @@ class _Sim:
         s_kv = (self.kv_cap - w.n - w.kv_offset) / w.n
         if s_kv < target:
             target = s_kv
-        t = w.t_ref + max(0.0, target - w.s_ref) * (self.a + self.b * w.n)
+        t = w.t_ref + self.time_for(w, max(0.0, target - w.s_ref))
         self.push(t, _EV_WORKER, w.idx, w.gen)
+
+    def steps_in(self, w: _Worker, seconds: float) -> float:
+        """Decode steps ``w`` makes from ``s_ref`` in ``seconds``: a step costs
+        a + b*n + k*KV with KV = kv_offset + n*s growing by n a step, so the time to go
+        from s0 to s1 is A (s1 - s0) + B/2 (s1^2 - s0^2), solved for s1 (stable form)."""
+        step0 = self.a + self.b * w.n + self.k * (w.kv_offset + w.n * w.s_ref)
+        growth = self.k * w.n
+        if growth == 0.0:
+            return seconds / step0
+        return 2.0 * seconds / (step0 + math.sqrt(step0 * step0 + 2.0 * growth * seconds))
+
+    def time_for(self, w: _Worker, steps: float) -> float:
+        """Seconds ``w`` takes for ``steps`` decode steps from ``s_ref`` (see steps_in)."""
+        step0 = self.a + self.b * w.n + self.k * (w.kv_offset + w.n * w.s_ref)
+        return steps * (step0 + 0.5 * self.k * w.n * steps)
 
     def set_n(self, w: _Worker, now: float) -> None:
         # What the manager sees in the worker's reports: its KV use (KvLifecycle).
@@ -571,10 +657,11 @@ class _Sim:
         k = len(self.group_left)
         ids = self.ledger.add_group(PromptRecord(f"p{k}", "", {}), self.gs, self.sampling,
                                     batch=batch)
-        for tid in ids:
+        lengths = self.wl.group_lengths(self.rng)
+        for tid, length in zip(ids, lengths, strict=True):
             self.tidx[tid] = len(self.t_id)
             self.t_id.append(tid)
-            self.t_len.append(self.wl.lengths.sample(self.rng))
+            self.t_len.append(length)
             self.t_ver.append(-1)
             self.t_gen.append(0.0)
             self.t_run.append(0)
@@ -719,9 +806,30 @@ class _Sim:
             self.reschedule(dst)
             self.dirty.update((src.idx, dst.idx))
 
+    def maybe_start_sync(self, now: float) -> None:
+        """NCCL weight sync: starts once every engine is idle and nothing is pending."""
+        if self.sync_pending is None or self.sync_started:
+            return
+        if self.ledger.pending_count() or any(w.n or w.queue for w in self.workers):
+            return
+        self.sync_started = True
+        duration = self.m.nccl_sync_s(self.cl.rollout_gpus)
+        self.busy_intervals.append((now, now + duration))
+        self.sync_began = now
+        self.push(now + duration, _EV_PUBLISH, self.sync_pending)
+
     def on_publish(self, version: int, now: float) -> None:
         for w in self.workers:
             self.advance(w, now)
+        if self.nccl:
+            # Every engine received the version in the sync: no pulls.
+            for w in self.workers:
+                w.version = version
+                w.acc[5] += now - self.sync_began
+                w.acc[6] += 1
+            self.visible_at[version] = now
+            self.sync_pending = None
+            self.trainer_free_at = now
         self.latest = version
         if self.laminar and self.cfg.repack:
             self.repack(now)
@@ -750,6 +858,8 @@ class _Sim:
         self.step_tokens.append(tokens)
         self.step_staleness.append(stale)
         duration = self.m.train_step_s(tokens, self.cl.trainer_gpus)
+        if self.colocated:
+            duration += self.m.colocate_switch_s  # generate -> train -> generate
         self.busy_intervals.append((now, now + duration))
         self.push(now + duration, _EV_TRAIN)
 
@@ -759,13 +869,24 @@ class _Sim:
         self.training = False
         self.trainer_version += 1
         self.step_end.append(now)
-        stall = self.m.snapshot_s(self.cl.trainer_gpus)
-        self.busy_intervals.append((now, now + stall))
-        self.trainer_free_at = now + stall
-        self.push(self.trainer_free_at, _EV_FREE)
-        visible = now + stall + self.m.weight_bytes / self.m.relay_bandwidth
-        self.visible_at[self.trainer_version] = visible
-        self.push(visible, _EV_PUBLISH, self.trainer_version)
+        if self.nccl:
+            # The trainer waits for the global sync, which waits for every engine to be
+            # idle (maybe_start_sync).
+            self.sync_pending, self.sync_started = self.trainer_version, False
+            self.trainer_free_at = math.inf
+        elif self.colocated:
+            # Resharded in place during the switch (counted in the step): visible at once.
+            self.trainer_free_at = now
+            self.visible_at[self.trainer_version] = now
+            self.push(now, _EV_PUBLISH, self.trainer_version)
+        else:
+            stall = self.m.snapshot_s(self.cl.trainer_gpus)
+            self.busy_intervals.append((now, now + stall))
+            self.trainer_free_at = now + stall
+            self.push(self.trainer_free_at, _EV_FREE)
+            visible = now + stall + self.m.weight_bytes / self.m.relay_bandwidth
+            self.visible_at[self.trainer_version] = visible
+            self.push(visible, _EV_PUBLISH, self.trainer_version)
         self.all_dirty = True
         if self.cfg.check_invariants:
             for w in self.workers:
