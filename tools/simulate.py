@@ -1,37 +1,35 @@
 """SIMULATED speedup of Laminar's trajectory-level asynchrony over sync and one-step, by scale.
 
-A discrete-event simulation (``tools/simlib.py``) of the three scheduling modes on a
-disaggregated cluster of 64-1024 GPUs (by default 3/4 run rollout workers, 1/4 train). No
-model runs and no GPU is used: the engine, the relays and the training step are cost models.
+A discrete-event simulation (``tools/simlib.py``) of three systems on 64-1024 GPUs. No model
+runs and no GPU is used: the engine, the weight paths and the training step are cost models.
 The decisions are the project's own: dispatch by ``laminar_rollout.scheduling``
 (``plan_dispatch``, ``plan_barrier``, ``required_version``), dynamic repack by
 ``laminar_rollout.repack.plan_repack``, accounting in ``TrajectoryLedger``.
 
-Modes: ``sync`` (generate a global batch, train, every worker pulls, repeat), ``one-step``
-(batch k+1 is generated with weights k-1 while the trainer trains batch k; a global barrier
-between batches), ``laminar`` (workers pull the newest weights whenever they are empty,
-the trainer consumes complete GRPO groups as they come, stale stragglers are repacked).
+The baselines are modelled as the systems the paper compares against run:
 
-Time model (also printed with the numbers in use):
-  decode step a + b*batch; prefill c per token, re-prefill for migrated / preempted
-  trajectories; KV capacity per worker with vLLM-style preemption; response lengths
-  log-normal with p99/median = 10 (``LogNormalLengths``); trainer step = overhead +
-  tokens / (trainer GPUs x tokens/s/GPU); weight publish = trainer snapshot stall, then a
-  pipelined relay chain (size/bw + hops*chunk/bw) and a per-worker load (size/(GPUs*bw)).
+- ``sync``: colocated, as verl's synchronous mode: every GPU generates a global batch, then
+  every GPU trains on it; each step pays a generate <-> train switch (offload / reload of
+  weights and KV cache, reshard). No relay, no pulls.
+- ``one-step``: disaggregated, one-step staleness (batch k+1 generated with weights k-1
+  while batch k trains), weights spread by a global NCCL-style broadcast that starts when
+  the trainer finished a step and every engine is idle; the trainer waits for it; its time
+  grows with the number of rollout GPUs.
+- ``laminar``: disaggregated; the relay tier (the trainer stalls for a host snapshot only),
+  workers pull when empty, the trainer consumes complete groups as they come, repack.
 
-Admission control in laminar mode, as ``ManagerService`` does with
-``ManagerConfig.max_staleness`` (AReaL-style bounded staleness): fresh trajectories start only
-while started <= (trainer version + 1 + bound) x batch. ``--max-staleness`` sets the bound
-(default 2, the manager's default); ``--max-staleness none`` dispatches without a bound, so
-when the rollouts produce faster than the trainer consumes, the backlog and the staleness
-grow with the length of the run.
+The trainer/rollout split of the disaggregated modes is swept (``--fractions``) and each
+mode reported at its best split. The trainer's rate is calibrated (``--gen-share``) so that
+generation is 83% of colocated sync's step time at the smallest scale, as the paper reports
+for math; every assumption is printed with its source, and a sensitivity table
+(``--sensitivity``) reruns one scale with the three assumptions that move the result most
+changed.
 
 Throughput is trajectory tokens (prompt + response) consumed by the trainer per simulated
-second, between trainer-step ends after a warm-up. The three modes of one scale run side by
-side with the same seed (the k-th trajectory has the same length in every mode). The paper
-figures printed next to the results (Laminar, arXiv 2510.12633: up to 5.48x over
-synchronous, 1.98x over one-step staleness, math, 1024 GPUs) come from real systems whose
-baselines differ from these modes; compare trends, not digits.
+second, between trainer-step ends after a warm-up. The runs of one scale use the same seed
+(the k-th trajectory has the same length in every run). The paper's figures printed next to
+the results (Laminar, arXiv 2510.12633) come from real systems on real hardware; compare
+trends, not digits, and read the assumptions table.
 """
 
 from __future__ import annotations
@@ -46,15 +44,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PAPER_OVER_SYNC = 5.48
+PAPER_OVER_SYNC_MEAN = 2.56
 PAPER_OVER_ONE_STEP = 1.98
+PAPER_GEN_SHARE = 0.83
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scales", default="64,128,256,512,1024", help="total GPUs (comma list)")
-    p.add_argument("--rollout-fraction", type=float, default=0.75,
-                   help="share of GPUs running rollout workers (rest train)")
+    p.add_argument("--fractions", default="0.5,0.625,0.75,0.875",
+                   help="rollout shares of the GPUs swept for one-step and laminar")
     p.add_argument("--gpus-per-worker", type=int, default=4, help="GPUs of one rollout engine")
     p.add_argument("--steps", type=int, default=3,
                    help="measured trainer steps, sync and one-step")
@@ -69,34 +73,53 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--median", type=float, default=2048.0, help="median response length")
     p.add_argument("--tail-ratio", type=float, default=10.0, help="p99 / median of lengths")
     p.add_argument("--max-len", type=int, default=20480, help="response length cap")
+    p.add_argument("--group-correlation", type=float, default=0.5,
+                   help="correlation of log lengths within a prompt group")
     p.add_argument("--decode-base", type=float, default=0.015, help="a: s per decode step")
     p.add_argument("--decode-per-seq", type=float, default=0.00015,
                    help="b: s per decode step per running sequence")
+    p.add_argument("--decode-per-kv", type=float, default=2.2e-8,
+                   help="k: s per decode step per KV-cache token")
     p.add_argument("--prefill-per-token", type=float, default=4e-5, help="c: s per token")
     p.add_argument("--max-batch", type=int, default=256, help="decode slots per worker")
     p.add_argument("--kv-tokens", type=int, default=800_000, help="KV capacity per worker")
     p.add_argument("--weights-gb", type=float, default=64.0, help="model weights, GB")
     p.add_argument("--relay-gbps", type=float, default=25.0, help="relay link, GB/s")
     p.add_argument("--h2d-gbps", type=float, default=25.0, help="weight load per GPU, GB/s")
+    p.add_argument("--nccl-gbps", type=float, default=25.0, help="NCCL broadcast, GB/s")
+    p.add_argument("--switch-s", type=float, default=5.0,
+                   help="colocated sync: generate <-> train switch per step, s")
+    p.add_argument("--gen-share", type=float, default=PAPER_GEN_SHARE,
+                   help="calibrate the trainer so generation is this share of colocated "
+                        "sync's step at the smallest scale (0: use --train-tok-per-gpu)")
     p.add_argument("--train-tok-per-gpu", type=float, default=1200.0,
-                   help="trainer tokens/s per GPU (prompt + response)")
+                   help="trainer tokens/s per GPU (prompt + response), before calibration")
     p.add_argument("--train-overhead", type=float, default=3.0, help="s per trainer step")
+    p.add_argument("--sensitivity", default="256",
+                   help="scale of the sensitivity table ('none': skip it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/simulate/speedup.png", help="speedup plot (PNG)")
     p.add_argument("--json", default=None, help="also write every metric to this JSON file")
     args = p.parse_args(argv)
     try:
         args.scales = [int(x) for x in args.scales.split(",") if x.strip()]
+        args.fractions = _floats(args.fractions)
         args.max_staleness = None if args.max_staleness.lower() == "none" else \
             int(args.max_staleness)
+        args.sensitivity = None if args.sensitivity.lower() == "none" else \
+            int(args.sensitivity)
     except ValueError as exc:
-        p.error(f"bad --scales or --max-staleness: {exc}")
-    if not args.scales:
-        p.error("--scales is empty")
+        p.error(f"bad --scales, --fractions, --max-staleness or --sensitivity: {exc}")
+    if not args.scales or not args.fractions:
+        p.error("--scales and --fractions must not be empty")
+    if any(not 0 < f < 1 for f in args.fractions):
+        p.error("--fractions must lie in (0, 1)")
     if args.max_staleness is not None and args.max_staleness < 0:
         p.error("--max-staleness must be >= 0 or 'none'")
     if args.steps < 1 or args.laminar_steps < 1:
         p.error("--steps and --laminar-steps must be >= 1")
+    if not 0 <= args.gen_share < 1:
+        p.error("--gen-share must be in [0, 1)")
     return args
 
 
@@ -143,103 +166,231 @@ def _plot(path: str, rows: list[dict], title_note: str) -> None:
     plt.close(fig)
 
 
+def _configs(args, fill: float):
+    from simlib import SimConfig
+
+    return {
+        "sync": SimConfig("sync", measure_steps=args.steps, warmup_steps=1, seed=args.seed),
+        "one-step": SimConfig("one-step", measure_steps=args.steps, warmup_steps=2,
+                              weight_sync="nccl", seed=args.seed),
+        "laminar": SimConfig("laminar", measure_steps=args.laminar_steps, warmup_steps=2,
+                             warmup_s=2 * fill, repack=not args.no_repack,
+                             laminar_max_staleness=args.max_staleness, seed=args.seed),
+    }
+
+
+def run_scale(gpus: int, model, workload, args, on_row=None) -> dict:
+    """Colocated sync, and one-step / laminar at every split of ``--fractions``; each mode's
+    best split is its result."""
+    from simlib import Cluster, pipeline_fill_s, simulate
+
+    cfgs = _configs(args, pipeline_fill_s(model, workload))
+    out = {"gpus": gpus, "sweep": {}}
+    sync = simulate(Cluster(gpus, gpus_per_worker=args.gpus_per_worker, colocated=True),
+                    model, workload, cfgs["sync"])
+    out["sync"] = sync
+    if on_row:
+        on_row(sync, "all")
+    for mode in ("one-step", "laminar"):
+        best = None
+        for frac in args.fractions:
+            try:
+                cl = Cluster(gpus, frac, args.gpus_per_worker)
+            except ValueError:
+                continue  # too few GPUs for a worker or a trainer at this split
+            r = simulate(cl, model, workload, cfgs[mode])
+            out["sweep"][(mode, frac)] = r
+            if best is None or r.throughput_tok_s > best[1].throughput_tok_s:
+                best = (frac, r)
+        if best is None:
+            raise SystemExit(f"simulate: no split of {args.fractions} fits {gpus} GPUs")
+        out[mode] = best[1]
+        out[mode + "_split"] = best[0]
+        if on_row:
+            on_row(best[1], f"{best[0]:.3f}")
+    lam = out["laminar"].throughput_tok_s
+    out["laminar/sync"] = lam / sync.throughput_tok_s
+    out["laminar/one-step"] = lam / out["one-step"].throughput_tok_s
+    out["one-step/sync"] = out["one-step"].throughput_tok_s / sync.throughput_tok_s
+    return out
+
+
+def calibrate(model, workload, args, gpus: int, share: float):
+    """The trainer rate (tokens/s/GPU) at which generation is ``share`` of colocated sync's
+    step at ``gpus`` GPUs; returns (model with it, generation s, step s)."""
+    import dataclasses
+
+    from simlib import Cluster, simulate
+
+    r = simulate(Cluster(gpus, gpus_per_worker=args.gpus_per_worker, colocated=True), model,
+                 workload, _configs(args, 0.0)["sync"])
+    tokens = r.throughput_tok_s * r.mean_step_s
+    gen = r.mean_step_s - model.train_step_s(tokens, gpus) - model.colocate_switch_s
+    train = gen * (1 - share) / share - model.colocate_switch_s - model.train_step_overhead_s
+    if train <= 0:
+        raise SystemExit(f"simulate: generation takes {gen:.0f} s a step; at a share of "
+                         f"{share:.2f} the switch ({model.colocate_switch_s} s) and the step "
+                         f"overhead ({model.train_step_overhead_s} s) leave no training time")
+    rate = tokens / (gpus * train)
+    return dataclasses.replace(model, train_tokens_per_gpu_s=rate), gen, gen / share
+
+
+def assumptions(model, workload, args) -> list[tuple[str, str, str]]:
+    """(assumption, value, source) of every number the result depends on."""
+    m, d = model, workload.lengths
+    kv_bytes = 64 * 8 * 128 * 2 * 2
+    return [
+        ("model, engines", f"32B dense, {m.weight_bytes / 1e9:.0f} GB bf16; TP{args.gpus_per_worker}"
+         " rollout engines", "assumption: a Qwen2.5-32B-shaped model (64 layers, GQA 8 KV heads)"),
+        ("decode a, b", f"{m.decode_base_s * 1e3:.0f} ms + {m.decode_per_seq_s * 1e3:.2f} ms/seq",
+         "assumption: 16 GB of weights per GPU read per step at ~3 TB/s (5 ms) plus launch "
+         "and sampling overheads"),
+        ("decode k (KV)", f"{m.decode_per_kv_token_s * 1e9:.0f} ns per KV token",
+         f"arithmetic: {kv_bytes // 1024} KB of K/V per token (64 x 8 x 128 x 2 x bf16) "
+         f"read from 4 GPUs' HBM at ~3 TB/s each"),
+        ("KV capacity", f"{m.kv_capacity_tokens:,} tokens per engine",
+         "arithmetic: 4 x 80 GB - 64 GB weights, 80% for KV, / 256 KB per token"),
+        ("prefill", f"{m.prefill_per_token_s * 1e6:.0f} us/token", "assumption"),
+        ("responses", f"median {d.median:.0f}, p99/median {d.tail_ratio:.0f}, cap {d.max_length}",
+         "brief: p99 ~10x the median (long-tail reasoning); median: assumption"),
+        ("group correlation", f"{workload.group_correlation:.2f} (log lengths)",
+         "assumption (no published figure found): hard prompts are long for every sample"),
+        ("batch", f"{workload.batch_groups} prompts x {workload.group_size} samples",
+         "assumption: DAPO-style math batch"),
+        ("trainer rate", f"{m.train_tokens_per_gpu_s:,.0f} tokens/s/GPU + "
+         f"{m.train_step_overhead_s:.0f} s a step",
+         f"calibrated: generation {args.gen_share:.0%} of colocated sync's step at "
+         f"{args.scales[0]} GPUs (paper, math)" if args.gen_share else "given (--train-tok-per-gpu)"),
+        ("colocated switch", f"{m.colocate_switch_s:.0f} s a step",
+         "assumption: vLLM sleep / wake of weights and KV plus the FSDP -> vLLM reshard"),
+        ("NCCL sync", f"{m.nccl_bandwidth / 1e9:.0f} GB/s, {m.nccl_tensors} tensors x "
+         f"({m.nccl_latency_s * 1e6:.0f} + {m.nccl_latency_per_hop_s * 1e6:.0f} log2 ranks) us",
+         "assumption: 200 Gb/s NICs; one broadcast per tensor (771 in Qwen2.5-32B)"),
+        ("relay", f"{m.relay_bandwidth / 1e9:.0f} GB/s, {m.chunk_bytes / 1e6:.0f} MB chunks; "
+         f"load {m.h2d_bandwidth / 1e9:.0f} GB/s/GPU", "assumption: 200 Gb/s NICs, PCIe 5"),
+        ("staleness bound", str(args.max_staleness), "ManagerConfig.max_staleness default"),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from simlib import (
-        Cluster,
-        SimConfig,
-        TimeModel,
-        Workload,
-        pipeline_fill_s,
-        simulate,
-    )
+    from simlib import TimeModel, Workload
 
     from laminar_rollout.engines import LogNormalLengths
 
-    model = TimeModel(
+    base = TimeModel(
         decode_base_s=args.decode_base, decode_per_seq_s=args.decode_per_seq,
+        decode_per_kv_token_s=args.decode_per_kv,
         prefill_per_token_s=args.prefill_per_token, max_batch=args.max_batch,
         kv_capacity_tokens=args.kv_tokens, weight_bytes=args.weights_gb * 1e9,
         relay_bandwidth=args.relay_gbps * 1e9, h2d_bandwidth=args.h2d_gbps * 1e9,
+        nccl_bandwidth=args.nccl_gbps * 1e9, colocate_switch_s=args.switch_s,
         train_tokens_per_gpu_s=args.train_tok_per_gpu,
         train_step_overhead_s=args.train_overhead)
-    workload = Workload(
-        lengths=LogNormalLengths(median=args.median, tail_ratio=args.tail_ratio,
-                                 max_length=args.max_len),
-        prompt_tokens=args.prompt_len, group_size=args.group_size,
-        batch_groups=args.batch_prompts)
-    clusters = [Cluster(g, args.rollout_fraction, args.gpus_per_worker) for g in args.scales]
-    fill = pipeline_fill_s(model, workload)
-    bound = "none (no run-ahead bound)" if args.max_staleness is None else \
-        f"{args.max_staleness} (ManagerConfig.max_staleness, through plan_dispatch)"
 
-    print("SIMULATION: discrete-event model of the sync / one-step / laminar modes. Simulated "
-          "engine and simulated training step; no model runs, no GPU is used.")
-    print("Decisions are the project's: laminar_rollout.scheduling (plan_dispatch, plan_barrier, "
-          "required_version), laminar_rollout.repack.plan_repack, TrajectoryLedger.")
+    def workload_of(tail: float) -> Workload:
+        return Workload(
+            lengths=LogNormalLengths(median=args.median, tail_ratio=tail, max_length=args.max_len),
+            prompt_tokens=args.prompt_len, group_size=args.group_size,
+            batch_groups=args.batch_prompts, group_correlation=args.group_correlation)
+
+    workload = workload_of(args.tail_ratio)
+    t_start = time.perf_counter()
+    print("SIMULATION: discrete-event model of colocated sync, one-step with an NCCL weight "
+          "sync, and laminar. Simulated engine and simulated training step; no model runs, "
+          "no GPU is used.")
+    print("Decisions are the project's: laminar_rollout.scheduling (plan_dispatch, "
+          "plan_barrier, required_version), laminar_rollout.repack.plan_repack, "
+          "TrajectoryLedger.")
+    model = base
+    if args.gen_share:
+        model, gen, step = calibrate(base, workload, args, args.scales[0], args.gen_share)
+        print(f"Calibration: colocated sync at {args.scales[0]} GPUs generates for {gen:.0f} s "
+              f"a step; a trainer at {model.train_tokens_per_gpu_s:,.0f} tokens/s/GPU makes "
+              f"that {args.gen_share:.0%} of a {step:.0f} s step (paper: ~83% for math).")
     print("Time model:")
     for line in model.describe(workload=workload):
         print("  " + line)
-    print(f"  laminar repack {'off' if args.no_repack else 'on'}; laminar staleness bound "
-          f"{bound}; barrier grants: an even share of the batch per worker (plan_barrier)")
-    print(f"  windows: sync {args.steps} steps after 1, one-step {args.steps} after 2, laminar "
-          f"{args.laminar_steps} after >= 2 steps and {2 * fill:.0f} s; seed {args.seed}")
+    print(f"  laminar repack {'off' if args.no_repack else 'on'}, staleness bound "
+          f"{args.max_staleness}; one-step and laminar at the best rollout share of "
+          f"{', '.join(f'{f:g}' for f in args.fractions)}; seed {args.seed}")
     print()
-    print(_HEADER)
-    t_start = time.perf_counter()
-    ratios, everything = [], []
-    for cl in clusters:
-        configs = {
-            "sync": SimConfig("sync", measure_steps=args.steps, warmup_steps=1,
-                              seed=args.seed),
-            "one-step": SimConfig("one-step", measure_steps=args.steps, warmup_steps=2,
-                                  seed=args.seed),
-            "laminar": SimConfig("laminar", measure_steps=args.laminar_steps, warmup_steps=2,
-                                 warmup_s=2 * fill, repack=not args.no_repack,
-                                 laminar_max_staleness=args.max_staleness, seed=args.seed),
-        }
-        res = {}
-        for mode, cfg in configs.items():
-            res[mode] = simulate(cl, model, workload, cfg)
-            print(_row(res[mode]), flush=True)
-            everything.append(res[mode].key() | {"wall_s": res[mode].wall_s})
-        lam = res["laminar"].throughput_tok_s
-        ratios.append({
-            "gpus": cl.gpus, "rollout_gpus": cl.rollout_gpus, "trainer_gpus": cl.trainer_gpus,
-            "workers": cl.workers,
-            "laminar/sync": lam / res["sync"].throughput_tok_s,
-            "laminar/one-step": lam / res["one-step"].throughput_tok_s,
-            "one-step/sync": res["one-step"].throughput_tok_s / res["sync"].throughput_tok_s,
-            "broadcast_s": model.broadcast_s(cl.relay_hops),
-        })
-    wall = time.perf_counter() - t_start
+    print("Assumptions (every number the result depends on, with its source):")
+    for name, value, source in assumptions(model, workload, args):
+        print(f"  {name:<18} {value:<46} {source}")
+    print()
+    print(_HEADER + "  split")
+    everything, ratios = [], []
+
+    def on_row(r, split: str) -> None:
+        print(_row(r) + f"  {split}", flush=True)
+        everything.append(r.key() | {"wall_s": r.wall_s, "split": split})
+
+    for gpus in args.scales:
+        out = run_scale(gpus, model, workload, args, on_row)
+        ratios.append({"gpus": gpus, "laminar/sync": out["laminar/sync"],
+                       "laminar/one-step": out["laminar/one-step"],
+                       "one-step/sync": out["one-step/sync"],
+                       "one-step split": out["one-step_split"],
+                       "laminar split": out["laminar_split"],
+                       "sweep": {f"{m} {f:g}": r.throughput_tok_s
+                                 for (m, f), r in out["sweep"].items()}})
     print("  (train tok/s: consumed by the trainer; gen tok/s: generated; busy: worker time "
           "decoding or prefilling; gen'g: workers that generated at all; slot / kv: mean use; "
-          "t-idle: trainer idle; wait/pull: weight fetch + load per pull, wait%: its share of "
-          "worker time)")
+          "t-idle: trainer idle; wait/pull: weight sync or fetch + load per version, wait%: "
+          "its share of worker time; split: rollout share of the GPUs, all = colocated)")
+    print()
+    print("Split sweep (trainer tokens/s by rollout share; the best is used):")
+    for r in ratios:
+        cells = "  ".join(f"{k} {v:,.0f}" for k, v in r["sweep"].items())
+        print(f"  {r['gpus']:>5} GPUs: {cells}")
     print()
     print("Speedup (trainer throughput ratios, simulated side by side in this run):")
-    print(" GPUs  rollout/trainer GPUs  workers  broadcast s  laminar/sync  laminar/one-step  "
-          "one-step/sync")
+    print(" GPUs  laminar/sync  laminar/one-step  one-step/sync  (best splits: one-step, laminar)")
     for r in ratios:
-        print(f"{r['gpus']:>5}  {r['rollout_gpus']:>7} / {r['trainer_gpus']:<10} {r['workers']:>7}"
-              f"  {r['broadcast_s']:>11.2f}  {r['laminar/sync']:>11.2f}x  "
-              f"{r['laminar/one-step']:>15.2f}x  {r['one-step/sync']:>12.2f}x")
-    print(f"Paper (Laminar, arXiv 2510.12633; real 1024-GPU cluster, math): up to "
-          f"{PAPER_OVER_SYNC}x over synchronous, {PAPER_OVER_ONE_STEP}x over one-step staleness.")
-    print("  Not like for like: the paper's baselines are other systems (e.g. verl's colocated "
-          "synchronous mode); here all modes share one disaggregated cluster, so one-step/sync "
-          "<= 2 by construction.")
-    _plot(args.out, ratios, f"{args.rollout_fraction:.0%} rollout GPUs, "
+        print(f"{r['gpus']:>5}  {r['laminar/sync']:>11.2f}x  {r['laminar/one-step']:>15.2f}x  "
+              f"{r['one-step/sync']:>12.2f}x  ({r['one-step split']:g}, {r['laminar split']:g})")
+    print(f"Paper (Laminar, arXiv 2510.12633; real clusters up to 1024 GPUs): "
+          f"{PAPER_OVER_SYNC_MEAN}x over synchronous on average, up to {PAPER_OVER_SYNC}x; "
+          f"{PAPER_OVER_ONE_STEP}x over one-step staleness (math).")
+    sensitivity = []
+    if args.sensitivity is not None:
+        print()
+        print(f"Sensitivity at {args.sensitivity} GPUs (one assumption changed at a time; "
+              "the trainer is recalibrated only when the share itself changes):")
+        print(f"  {'assumption':<22} {'value':>8}  laminar/sync  laminar/one-step")
+        base_row = run_scale(args.sensitivity, model, workload, args)
+        print(f"  {'(as above)':<22} {'':>8}  {base_row['laminar/sync']:>11.2f}x  "
+              f"{base_row['laminar/one-step']:>15.2f}x", flush=True)
+        import dataclasses
+
+        variants = [("p99/median length", v, model, workload_of(v)) for v in (5.0, 20.0)]
+        variants += [("colocated switch s", v, dataclasses.replace(model, colocate_switch_s=v),
+                      workload) for v in (2.0, 10.0)]
+        if args.gen_share:
+            for v in (0.7, 0.9):
+                m2, _, _ = calibrate(base, workload, args, args.scales[0], v)
+                variants.append(("generation share", v, m2, workload))
+        for name, value, m2, wl2 in variants:
+            row = run_scale(args.sensitivity, m2, wl2, args)
+            sensitivity.append({"assumption": name, "value": value,
+                                "laminar/sync": row["laminar/sync"],
+                                "laminar/one-step": row["laminar/one-step"]})
+            print(f"  {name:<22} {value:>8g}  {row['laminar/sync']:>11.2f}x  "
+                  f"{row['laminar/one-step']:>15.2f}x", flush=True)
+    _plot(args.out, ratios, f"sync colocated, one-step NCCL, best splits; "
           f"{workload.batch_trajectories} trajectories/batch, staleness bound "
           f"{args.max_staleness}")
     print(f"plot: {args.out}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
-            json.dump({"ratios": ratios, "runs": everything}, fh, indent=1)
+            json.dump({"ratios": ratios, "sensitivity": sensitivity, "runs": everything,
+                       "assumptions": assumptions(model, workload, args)}, fh, indent=1,
+                      default=str)
         print(f"metrics: {args.json}")
-    print(f"simulated in {wall:.1f} s wall (SIMULATION, not a measurement of real hardware)")
+    print(f"simulated in {time.perf_counter() - t_start:.1f} s wall (SIMULATION, not a "
+          "measurement of real hardware)")
     return 0
 
 
