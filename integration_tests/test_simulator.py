@@ -152,3 +152,37 @@ def test_correlated_group_lengths_keep_the_marginal():
         assert within == pytest.approx(rho, abs=0.06)
     with pytest.raises(ValueError, match="group_correlation"):
         Workload(group_correlation=1.5)
+
+
+def test_simulate_prints_the_paper_baselines_assumptions_and_sensitivity(tmp_path, capsys):
+    import json
+
+    import simulate
+
+    out = tmp_path / "speedup.json"
+    assert simulate.main([
+        "--scales", "32,64", "--fractions", "0.5,0.75", "--gpus-per-worker", "2",
+        "--batch-prompts", "16", "--group-size", "8", "--prompt-len", "64", "--median", "256",
+        "--max-len", "2560", "--max-batch", "32", "--kv-tokens", "60000", "--weights-gb", "2",
+        "--switch-s", "0.5", "--train-overhead", "0.2", "--steps", "2", "--laminar-steps", "3",
+        "--sensitivity", "32", "--out", str(tmp_path / "speedup.png"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Calibration: colocated sync at 32 GPUs" in text
+    assert "Assumptions (every number the result depends on, with its source):" in text
+    for name in ("decode k (KV)", "group correlation", "colocated switch", "NCCL sync",
+                 "trainer rate"):
+        assert name in text
+    data = json.loads(out.read_text())
+    assert [r["gpus"] for r in data["ratios"]] == [32, 64]
+    for r in data["ratios"]:
+        assert r["laminar/sync"] > 0 and r["laminar/one-step"] > 0
+        assert r["laminar split"] in (0.5, 0.75) and r["one-step split"] in (0.5, 0.75)
+        assert len(r["sweep"]) == 4
+    assert [(s["assumption"], s["value"]) for s in data["sensitivity"]] == [
+        ("p99/median length", 5.0), ("p99/median length", 20.0),
+        ("group correlation", 0.0), ("group correlation", 0.9),
+        ("colocated switch s", 2.0), ("colocated switch s", 10.0),
+        ("generation share", 0.7), ("generation share", 0.9)]
+    # colocated sync: every GPU generates and trains
+    syncs = [r for r in data["runs"] if r["mode"] == "sync"]
+    assert all(r["split"] == "all" and r["trainer_gpus"] == r["gpus"] for r in syncs)

@@ -22,8 +22,8 @@ The trainer/rollout split of the disaggregated modes is swept (``--fractions``) 
 mode reported at its best split. The trainer's rate is calibrated (``--gen-share``) so that
 generation is 83% of colocated sync's step time at the smallest scale, as the paper reports
 for math; every assumption is printed with its source, and a sensitivity table
-(``--sensitivity``) reruns one scale with the three assumptions that move the result most
-changed.
+(``--sensitivity``) reruns one scale with each of four assumptions changed (response
+tail, generation share, correlation within a group, switch cost).
 
 Throughput is trajectory tokens (prompt + response) consumed by the trainer per simulated
 second, between trainer-step ends after a warm-up. The runs of one scale use the same seed
@@ -365,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         import dataclasses
 
         variants = [("p99/median length", v, model, workload_of(v)) for v in (5.0, 20.0)]
+        variants += [("group correlation", v, model, dataclasses.replace(
+            workload, group_correlation=v)) for v in (0.0, 0.9)]
         variants += [("colocated switch s", v, dataclasses.replace(model, colocate_switch_s=v),
                       workload) for v in (2.0, 10.0)]
         if args.gen_share:
