@@ -187,7 +187,8 @@ def warmstart_chat(out: str, steps: int | None, difficulty: tuple[str, ...],
 
 @cli.command(short_help="export a checkpoint's model as a Hugging Face directory",
              help="Export the model of a checkpoint (CHECKPOINT: a checkpoint.dir, one "
-                  "step-N checkpoint in it, or a model directory such as the final one) as "
+                  "step-N checkpoint in it (full or sharded), or a model directory such as the "
+                  "final one) as "
                   "a clean Hugging Face directory: safetensors weights in --dtype, "
                   "config.json, generation_config.json and the tokenizer with its chat "
                   "template; no optimizer or trainer state.")
