@@ -20,6 +20,8 @@ def test_gpu_check_runs_on_the_cpu_and_reports_every_part(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     log = (out / "gpu_check.log").read_text()
     assert run.returncode == 0, log[-4000:]
+    # The log is whole: its last line is written (tee waited for) before the script exits.
+    assert log.rstrip().splitlines()[-1].startswith("gpu_check: done in "), log[-500:]
     assert "gpu_check: pytest -m gpu packages/laminar-rollout/tests" in log
     assert "gpu_check: pytest -m gpu packages/laminar-trainer/tests" in log
     report = json.loads((out / "gpu_bench.json").read_text())

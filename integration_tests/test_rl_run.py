@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from conftest import consumed_ids, laminar_up, read_steps, run_to_end, wait_ready, wait_until
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.relay.client import RelayClient
+from laminar_trainer.export import export_model
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_GAIN = 0.20
@@ -191,6 +192,11 @@ def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn
     assert sorted(p.name for p in (last / "sharded").glob("*.distcp")) == \
         ["__0_0.distcp", "__1_0.distcp"]  # one file of shards per rank, nothing gathered
     saved = load_file(str(run_dir / "final" / "model.safetensors"))
+    # The sharded checkpoint holds the same weights (exported to a model directory).
+    exported = export_model(last, tmp_path / "export", "float32")
+    from_ckpt = load_file(str(exported / "model.safetensors"))
+    assert set(from_ckpt) <= set(saved)
+    assert all(torch.equal(t, saved[name]) for name, t in from_ckpt.items())
     assert set(published) == set(saved)
     for name, tensor in saved.items():
         assert tensor.dtype == torch.float32, name

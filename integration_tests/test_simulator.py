@@ -121,6 +121,8 @@ def test_colocated_sync_trains_on_every_gpu_and_pays_the_switch():
     cheap = TimeModel(**{**MODEL.__dict__, "colocate_switch_s": 0.0})
     r0 = simulate(colo, cheap, WORKLOAD, SimConfig("sync", measure_steps=3, warmup_steps=1))
     assert r.mean_step_s == pytest.approx(r0.mean_step_s + MODEL.colocate_switch_s, rel=1e-6)
+    with pytest.raises(ValueError, match="colocated cluster runs sync mode only"):
+        simulate(colo, MODEL, WORKLOAD, SimConfig("laminar"))
 
 
 def test_nccl_one_step_syncs_every_engine_at_once_and_the_trainer_waits():

@@ -32,7 +32,14 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+exec 3>&1 4>&2
+exec > >(tee -a "$OUT/gpu_check.log" >&3) 2>&1
+tee_pid=$!
+finish() {  # let tee write the last lines before the script exits
+  exec >&- 2>&- 1>&3 2>&4
+  wait "$tee_pid" 2>/dev/null || true
+}
+trap finish EXIT
 export PYTHONUNBUFFERED=1
 status=0
 started=$(date +%s)
@@ -48,7 +55,11 @@ if [[ $CPU == 0 && -d "$WHEELS" ]] && compgen -G "$WHEELS/*.whl" >/dev/null; the
   echo "gpu_check: installing $(ls "$WHEELS"/*.whl | wc -l) carried wheels"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl || { echo "gpu_check: wheel install failed"; exit 1; }
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  # The working tree's packages come first: the code that runs is the code carried
+  # (the wheels bring the dependencies and the command-line entry points).
+  src="$ROOT/packages/laminar-common/src:$ROOT/packages/laminar-relay/src"
+  src="$src:$ROOT/packages/laminar-rollout/src:$ROOT/packages/laminar-trainer/src"
+  export PYTHONPATH="$src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   export PATH="/tmp/site/bin:$PATH"
 fi
 if [[ $CPU == 0 && -x "$WHEELS/bin/etcd" ]]; then

@@ -381,7 +381,7 @@ class _Worker:
         self.heap: list[tuple[float, int, int]] = []  # (finish step, tidx, run)
         self.n = 0
         self.kv_offset = 0.0  # kv_used = kv_offset + n * s
-        self.s_ref = 0.0  # decode-step counter, valid at t_ref; advances at 1/(a+b*n) after
+        self.s_ref = 0.0  # decode-step counter, valid at t_ref; advances at 1/(a+b*n+k*KV)
         self.t_ref = 0.0
         self.t_acc = 0.0
         self.gen = 0
@@ -402,6 +402,9 @@ class _Sim:
             model.prefill_per_token_s
         self.k = model.decode_per_kv_token_s
         self.colocated = cluster.colocated
+        if self.colocated and config.mode != "sync":
+            raise ValueError(f"a colocated cluster runs sync mode only (its GPUs cannot "
+                             f"generate and train at once), not {config.mode}")
         self.nccl = config.weight_sync == "nccl" and not cluster.colocated
         self.sync_pending: int | None = None
         self.sync_started = False

@@ -104,9 +104,10 @@ def test_weights_update_in_place_and_versions_are_guarded(vllm_engine):
 def test_sampled_logprobs_are_full_vocabulary_at_the_temperature(vllm_engine):
     # Teacher-force what vLLM sampled at T=0.7 through the same weights: every recorded
     # log-prob is log_softmax(logits / T) over the whole vocabulary (no renormalising).
-    model = _tiny_model(0) if vllm_engine.weight_version == 0 else None
-    if model is None:
-        pytest.skip("the engine's weights were replaced by an earlier test")
+    # Version v of this module's engine holds _tiny_model(v)'s weights (v0 from the
+    # directory, v1 loaded by the weight-update test).
+    assert vllm_engine.weight_version in (0, 1)
+    model = _tiny_model(vllm_engine.weight_version)
     req = _requests(1, temperature=0.7, max_tokens=16, seed=3)[0]
     out = vllm_engine.run_until_done([req])[0]
     ids = torch.tensor([list(req.prompt_token_ids) + list(out.token_ids)])
@@ -122,11 +123,9 @@ def test_truncated_sampling_is_refused_with_the_reason(vllm_engine):
     assert not vllm_engine.has_unfinished()
 
 
-def test_weights_load_in_buckets_and_kv_use_comes_from_vllm_stats(weights_dir):
-    engine = make_engine("vllm", model=str(weights_dir), max_batch=4, context_length=256,
-                         dtype="float32", eos_token_ids=(), gpu_memory_utilization=0.2,
-                         enforce_eager=True, engine_kwargs={"skip_tokenizer_init": True},
-                         weight_bucket_bytes=64 << 10, weight_update_timeout_s=60)
+def test_weights_load_in_buckets_and_kv_use_comes_from_vllm_stats(vllm_engine):
+    # The module's one engine (vLLM's stats registry is process-wide), in 64 KiB buckets.
+    engine = vllm_engine
     reqs = _requests(3, max_tokens=40)
     for r in reqs:
         engine.add_request(r)
@@ -135,5 +134,13 @@ def test_weights_load_in_buckets_and_kv_use_comes_from_vllm_stats(weights_dir):
     load = engine.load()
     assert load.active == 3 and 0 < load.kv_used_tokens < load.kv_capacity_tokens
     engine.abort()
-    engine.load_weights(1, _tiny_model(1).state_dict().items())  # many 64 KiB buckets
-    assert engine.weight_version == 1
+    version = engine.weight_version
+    engine._bucket_bytes = 64 << 10  # many buckets for this tiny model
+    try:
+        engine.load_weights(version + 1, _tiny_model(version + 1).state_dict().items())
+    finally:
+        engine._bucket_bytes = 512 << 20
+    assert engine.weight_version == version + 1
+    req = _requests(1, temperature=0.0, max_tokens=8)[0]
+    reference = make_engine("torch", model=_tiny_model(version + 1), eos_token_ids=())
+    assert engine.run_until_done([req])[0].token_ids == reference.run_until_done([req])[0].token_ids

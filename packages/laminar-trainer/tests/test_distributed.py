@@ -85,6 +85,12 @@ def test_uneven_batch_groups_are_refused_before_joining(monkeypatch):
     assert init_distributed("cpu", 4) is None
 
 
+def _checkpointing(model) -> bool:
+    # transformers renamed it (is_gradient_checkpointing warns from 5.2x)
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(model.is_gradient_checkpointing if flag is None else flag)
+
+
 def _grads(training) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in training.model.named_parameters()}
 
@@ -257,7 +263,7 @@ def test_sharded_checkpoints_resume_on_another_rank_count(tmp_path):
     for name, tensor in back.model.state_dict().items():
         assert torch.equal(tensor, gathered[name]), name
     assert back.model.lm_head.weight is back.model.model.embed_tokens.weight
-    assert back.model.is_gradient_checkpointing
+    assert _checkpointing(back.model)
     theirs = back.optimizer.state_dict()["state"]
     ours = one.optimizer.state_dict()["state"]
     assert len(theirs) == len(ours)
@@ -266,11 +272,23 @@ def test_sharded_checkpoints_resume_on_another_rank_count(tmp_path):
         assert torch.allclose(theirs[idx]["exp_avg"], ours[idx]["exp_avg"], atol=1e-5)
     assert back.scheduler.last_epoch == 2
 
-    # ... and exports to a Hugging Face directory.
-    exported = export_model(out / "two", tmp_path / "export", "float32")
-    loaded = AutoModelForCausalLM.from_pretrained(str(exported))
+    # ... and exports to a Hugging Face directory (the CLI, from the checkpoint root).
+    from laminar_trainer.cli import main as trainer_cli
+
+    assert trainer_cli(["export", str(out / "two"), "--out", str(tmp_path / "export"),
+                        "--dtype", "fp32"]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, gathered[name]), name
+    bf16 = export_model(two, tmp_path / "export16", "bf16")
+    assert AutoModelForCausalLM.from_pretrained(str(bf16)).dtype == torch.bfloat16
+
+    # A shard file gone: refused with the checkpoint named (not torch's BaseException).
+    for shard in (two / "sharded").glob("__1_*.distcp"):
+        shard.unlink()
+    broken = build_training(one_cfg, None)
+    with pytest.raises(LaminarError, match=r"sharded checkpoint .*step-00000002.* cannot be"):
+        restore_training(broken, two, None)
 
 
 def test_a_broken_sharded_checkpoint_is_refused_by_name(tmp_path):
@@ -293,7 +311,7 @@ def test_activation_checkpointing_gives_the_same_gradients(model_dir):
                             optim={"lr": 1e-2, "grad_clip": 1e9})
         torch.manual_seed(3)
         training = build_training(cfg, None)
-        assert training.model.is_gradient_checkpointing == checkpointing
+        assert _checkpointing(training.model) == checkpointing
         train_step(training.model, training.optimizer, training.scheduler, _groups(0), cfg)
         grads[checkpointing] = _grads(training)
     for name, grad in grads[False].items():

@@ -259,8 +259,10 @@ class WorkerConfig(HostConfig):
     """A relay's gRPC host:port to fetch weights from (default: found through etcd)."""
     fetch_timeout_s: float = Field(default=120.0, gt=0)
     """How long one weight fetch may take."""
-    weight_load_timeout_s: float = Field(default=300.0, gt=0)
-    """How long the engine may take to load one fetched version. A load that has not
+    weight_load_timeout_s: float = Field(default=900.0, gt=0)
+    """How long the engine may take to load one fetched version, all of it (for vLLM:
+    every bucket's call, each also under the engine's own ``weight_update_timeout_s``;
+    set this above a healthy load's time at your model size). A load that has not
     returned by then is a wedged engine: the worker leaves the job and exits 1, so
     its supervisor (``laminar up``, Ray) starts it again and it registers afresh
     instead of hanging with its slots idle."""

@@ -335,11 +335,17 @@ def save_sharded(model: torch.nn.Module, optimizer, path: str | os.PathLike[str]
     """Collective (or one process): model and optimizer state by parameter name, each
     rank writing its own shards (``torch.distributed.checkpoint.save``)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    with _one_process_is_meant():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.fspath(path))
+    try:
+        with _one_process_is_meant():
+            dcp.save({"model": model_state, "optim": optim_state},
+                     checkpoint_id=os.fspath(path))
+    except CheckpointException as exc:  # a BaseException: it would pass every handler
+        raise LaminarError(f"sharded checkpoint {path} could not be written: "
+                           f"{str(exc)[:500]}") from exc
 
 
 @contextlib.contextmanager
@@ -361,6 +367,7 @@ def load_sharded(model: torch.nn.Module, optimizer, path: str | os.PathLike[str]
         LaminarError: the checkpoint cannot be read or does not fit the model.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -381,7 +388,9 @@ def load_sharded(model: torch.nn.Module, optimizer, path: str | os.PathLike[str]
             dcp.load(state, checkpoint_id=os.fspath(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-    except (RuntimeError, ValueError, KeyError, OSError) as exc:
+    except (RuntimeError, ValueError, KeyError, OSError, CheckpointException) as exc:
+        # CheckpointException (missing keys, other shapes, unreadable files) is a
+        # BaseException: caught by name, or it would pass every handler.
         raise LaminarError(f"sharded checkpoint {path} cannot be loaded into this model: "
                            f"{type(exc).__name__}: {str(exc)[:500]}") from exc
 

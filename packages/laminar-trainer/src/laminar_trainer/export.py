@@ -30,7 +30,8 @@ __all__ = ["export_model", "resolve_model_dir"]
 
 
 def resolve_model_dir(source: str | os.PathLike[str]) -> Path:
-    """The model directory of ``source`` (see module docstring).
+    """The model directory of ``source`` (see module docstring); for a sharded
+    checkpoint, the checkpoint's own directory (its weights are in ``sharded/``).
 
     Raises:
         LaminarError: ``source`` is none of those, or a checkpoint without a model
@@ -44,6 +45,8 @@ def resolve_model_dir(source: str | os.PathLike[str]) -> Path:
         assert ckpt is not None
         path = ckpt
     if (path / "config.json").is_file() and not (path / "trainer.json").is_file():
+        return path
+    if _sharded_checkpoint(path) is not None:
         return path
     try:
         model = checkpoint_paths(path).model

@@ -30,8 +30,9 @@ see the package README). What it relies on:
   maps them onto its fused and tensor-parallel layers). Where vLLM has the
   layerwise reload (``vllm.model_executor.model_loader.reload``, >= 0.16), a
   quantized model is updated between ``start_reload`` and ``finish_reload``
-  (what vLLM's own weight-transfer engines do); older vLLM updates unquantized
-  models only. The prefix cache is reset afterwards so no KV computed with old
+  (``initialize_layerwise_reload`` / ``finalize_layerwise_reload`` where it has
+  the earlier names; what vLLM's own weight-transfer engines do); older vLLM
+  updates unquantized models only. The prefix cache is reset afterwards so no KV computed with old
   weights is reused. Every call has a deadline (``weight_update_timeout_s``,
   enforced here: vLLM's in-process executor ignores ``collective_rpc``'s own
   timeout); one that does not return raises ``EngineWedgedError`` and the worker
@@ -104,13 +105,9 @@ class LaminarWorkerExtension:
         model = self.model_runner.model  # type: ignore[attr-defined]
         self._laminar_reload = False
         if getattr(self.model_config, "quantization", None):  # type: ignore[attr-defined]
-            try:
-                from vllm.model_executor.model_loader.reload import start_reload
-            except ImportError as exc:
-                raise RuntimeError("updating a quantized model's weights needs vLLM's "
-                                   "layerwise reload (vLLM >= 0.16)") from exc
-            with self._laminar_config_scope():
-                start_reload(model)
+            start, _ = _reload_functions()
+            with self._laminar_config_scope(), torch.device(self.device):  # type: ignore[attr-defined]
+                start(model)
             self._laminar_reload = True
         return self._laminar_reload
 
@@ -122,13 +119,35 @@ class LaminarWorkerExtension:
 
     def laminar_finish_update(self) -> bool:
         if getattr(self, "_laminar_reload", False):
-            from vllm.model_executor.model_loader.reload import finish_reload
-
-            with self._laminar_config_scope():
-                finish_reload(self.model_runner.model,  # type: ignore[attr-defined]
-                              self.model_config, self.device)  # type: ignore[attr-defined]
+            _, finish = _reload_functions()
+            with self._laminar_config_scope(), torch.device(self.device):  # type: ignore[attr-defined]
+                finish(self.model_runner.model, self.model_config,  # type: ignore[attr-defined]
+                       self.device)  # type: ignore[attr-defined]
             self._laminar_reload = False
         return True
+
+
+def _reload_functions():
+    """vLLM's layerwise reload as (start(model), finish(model, model_config, device)):
+    ``start_reload`` / ``finish_reload`` where vLLM has them (0.34), else
+    ``initialize_layerwise_reload`` / ``finalize_layerwise_reload`` (the earlier names).
+
+    Raises:
+        RuntimeError: this vLLM has neither (a quantized model cannot be updated).
+    """
+    try:
+        from vllm.model_executor.model_loader import reload
+    except ImportError as exc:
+        raise RuntimeError("updating a quantized model's weights needs vLLM's layerwise "
+                           "reload (vllm.model_executor.model_loader.reload)") from exc
+    if hasattr(reload, "start_reload") and hasattr(reload, "finish_reload"):
+        return reload.start_reload, reload.finish_reload
+    if hasattr(reload, "initialize_layerwise_reload"):
+        return (reload.initialize_layerwise_reload,
+                lambda model, model_config, _device: reload.finalize_layerwise_reload(
+                    model, model_config))
+    raise RuntimeError("this vLLM's reload module has neither start_reload nor "
+                       "initialize_layerwise_reload: a quantized model cannot be updated")
 
 
 class VllmEngine(GenerationEngine):
@@ -386,7 +405,11 @@ class VllmEngine(GenerationEngine):
             self._rpc("laminar_load_weights", version, bucket)
             buckets += 1
         self._rpc("laminar_finish_update", version)
-        self._engine.reset_prefix_cache()
+        if self._engine.reset_prefix_cache() is False:
+            # vLLM keeps blocks a running request holds; none should run during a load.
+            raise EngineError(f"weights v{version} loaded but vLLM did not reset its prefix "
+                              "cache (blocks still held): refusing requests until a later "
+                              "load succeeds, so no KV of the old weights is reused")
         self._weights_intact = True
         self._version = version
         logger.info("loaded weights v%d (%d tensors, %d buckets) into vLLM", version,
