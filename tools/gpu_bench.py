@@ -132,7 +132,8 @@ def part_engine(rep: Report, model_dir: Path, device, dtype, small: bool) -> Non
 
     from laminar_rollout.engines import GenerationRequest, SamplingParams, make_engine
 
-    vocab = SHAPES["tiny" if small else rep.data["shape"]]["vocab_size"]
+    shape = SHAPES[rep.data["shape"]]  # the model built for this run
+    vocab = shape["vocab_size"]
     prompt_len, decode = (16, 16) if small else (64, 128)
     rng = np.random.default_rng(0)
 
@@ -144,9 +145,7 @@ def part_engine(rep: Report, model_dir: Path, device, dtype, small: bool) -> Non
 
     def engine(max_batch: int):
         return make_engine("torch", model=str(model_dir), max_batch=max_batch,
-                           context_length=min(4096, SHAPES["tiny" if small else
-                                                            rep.data["shape"]]
-                                              ["max_position_embeddings"]),
+                           context_length=min(4096, shape["max_position_embeddings"]),
                            device=str(device), dtype=dtype, eos_token_ids=(), seed=0)
 
     rows = {}
@@ -231,7 +230,7 @@ def part_trainer(rep: Report, model_dir: Path, device, small: bool) -> object:
     from laminar_trainer.policy import build_training
     from laminar_trainer.step import train_step
 
-    vocab = SHAPES["tiny" if small else rep.data["shape"]]["vocab_size"]
+    vocab = SHAPES[rep.data["shape"]]["vocab_size"]  # the model built for this run
     groups, size, prompt_len, max_resp = (2, 4, 16, 32) if small else (16, 8, 128, 512)
     cfg = TrainerConfig(model_dir=str(model_dir), device=device.type,
                         dtype="float32" if small else "bfloat16", batch_groups=groups,

@@ -203,10 +203,8 @@ def save_checkpoint(root: str | os.PathLike[str], model, tokenizer,
         _write_model(tmp / MODEL_DIR, model, tokenizer, model_state)
     state_dir = tmp / STATE_DIR
     state_dir.mkdir()
-    if write_sharded is not None:
-        pass  # the optimizer state is in sharded/
-    elif optimizer_state is None and optimizer is not None:
-        optimizer_state = optimizer.state_dict()
+    if optimizer_state is None and optimizer is not None and write_sharded is None:
+        optimizer_state = optimizer.state_dict()  # (a sharded one is in sharded/)
     if optimizer_state is not None:
         tensors, meta = _flatten_optimizer(optimizer_state)
         save_file(tensors, str(state_dir / "optimizer.safetensors"))

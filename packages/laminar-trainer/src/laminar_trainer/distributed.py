@@ -150,8 +150,7 @@ class DistContext:
         header = torch.tensor([command, len(payload), arg], dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.cpu_group)
         if payload:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            dist.broadcast(data, src=0, group=self.cpu_group)
+            self._broadcast_payload(payload, len(payload))
 
     def recv_command(self) -> tuple[int, bytes, int]:
         """Followers: wait for rank 0's next command; returns (command, payload, arg)."""
@@ -162,12 +161,17 @@ class DistContext:
         command, size, arg = (int(x) for x in header)
         if command not in Command.NAMES:
             raise LaminarError(f"rank {self.rank}: unknown command {command} from rank 0")
-        payload = b""
-        if size:
-            data = torch.empty(size, dtype=torch.uint8)
-            dist.broadcast(data, src=0, group=self.cpu_group)
-            payload = data.numpy().tobytes()
+        payload = self._broadcast_payload(b"", size) if size else b""
         return command, payload, arg
+
+    def _broadcast_payload(self, data: bytes, size: int) -> bytes:
+        """Rank 0's ``data`` (``size`` bytes, known to every rank) on every rank."""
+        import torch.distributed as dist
+
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_main
+               else torch.empty(size, dtype=torch.uint8))
+        dist.broadcast(buf, src=0, group=self.cpu_group)
+        return buf.numpy().tobytes()
 
     # -- rank 0's side of each command (the followers' side is run_follower) --------
 
@@ -222,15 +226,8 @@ class DistContext:
 
     def broadcast_bytes(self, data: bytes) -> bytes:
         """Rank 0's ``data`` on every rank (the others pass anything)."""
-        import torch.distributed as dist
-
         size = self.broadcast_int(len(data))
-        if not size:
-            return b""
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_main
-               else torch.empty(size, dtype=torch.uint8))
-        dist.broadcast(buf, src=0, group=self.cpu_group)
-        return buf.numpy().tobytes()
+        return self._broadcast_payload(data, size) if size else b""
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's ``value`` on every rank."""

@@ -58,11 +58,8 @@ def resolve_model_dir(source: str | os.PathLike[str]) -> Path:
     return model
 
 
-def _sharded_checkpoint(source: str | os.PathLike[str]) -> CheckpointPaths | None:
-    """The paths of ``source`` if it is (or its ``LATEST`` names) a sharded checkpoint."""
-    path = Path(source)
-    if (path / "LATEST").is_file():
-        path = latest_checkpoint(path) or path
+def _sharded_checkpoint(path: Path) -> CheckpointPaths | None:
+    """The paths of checkpoint ``path`` if it is a (complete) sharded one, else None."""
     if not (path / SHARDED_DIR).is_dir():
         return None
     paths = checkpoint_paths(path)
@@ -88,8 +85,10 @@ def export_model(source: str | os.PathLike[str], out: str | os.PathLike[str],
     from .precision import torch_dtype
 
     want = torch_dtype(dtype)
-    sharded = _sharded_checkpoint(source)
-    model_dir = sharded.root / CONFIG_DIR if sharded is not None else resolve_model_dir(source)
+    model_dir = resolve_model_dir(source)
+    sharded = _sharded_checkpoint(model_dir)
+    if sharded is not None:
+        model_dir = sharded.root / CONFIG_DIR  # config and tokenizer; weights in sharded/
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise LaminarError(f"output {out} exists and is not a directory")

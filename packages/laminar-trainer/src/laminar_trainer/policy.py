@@ -124,12 +124,10 @@ def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | N
     if ctx is None:
         if ckpt is None:
             return None
-        paths = checkpoint_paths(ckpt)
-        if paths.sharded is not None:
-            load_sharded(training.model, training.optimizer, paths.sharded)
+        sharded = checkpoint_paths(ckpt).sharded
+        if sharded is not None:
             state = load_checkpoint(ckpt, None)
-            restore_rng(ckpt)
-            _advance(training, state.step)
+            _restore_sharded(training, ckpt, sharded, state.step)
             return state
         model_dir = _checkpoint_model(ckpt)
         if training.weights_from != model_dir:
@@ -148,11 +146,7 @@ def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | N
     sharded = checkpoint_paths(ckpt).sharded if ctx.is_main else None
     where = ctx.broadcast_bytes(os.fsencode(sharded) if sharded is not None else b"")
     if where:
-        # Every rank reads its own shards (written by any number of ranks).
-        load_sharded(training.model, training.optimizer, os.fsdecode(where))
-        if ctx.is_main:
-            restore_rng(ckpt)
-        _advance(training, step)
+        _restore_sharded(training, ckpt if ctx.is_main else None, os.fsdecode(where), step)
         return state
     model_state: dict = {}
     optim_state: dict = {}
@@ -166,6 +160,17 @@ def restore_training(training: Training, ckpt: Path | None, ctx: DistContext | N
     ctx.load_full_state(training.model, training.optimizer, model_state, optim_state)
     _advance(training, step)
     return state
+
+
+def _restore_sharded(training: Training, ckpt: Path | None, sharded: str | os.PathLike[str],
+                     step: int) -> None:
+    """Model and optimizer from a sharded checkpoint (this rank's shards, whatever the
+    number of ranks that wrote it), the RNG from ``ckpt`` (None: a follower keeps its
+    own), the schedule fast-forwarded to ``step``."""
+    load_sharded(training.model, training.optimizer, sharded)
+    if ckpt is not None:
+        restore_rng(ckpt)
+    _advance(training, step)
 
 
 def _advance(training: Training, step: int) -> None:

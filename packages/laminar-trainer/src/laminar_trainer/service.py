@@ -669,10 +669,9 @@ class TrainerService(Service):
                              failed=failed)
         full: dict[str, Any] = {"model_state": None, "optimizer_state": None}
         if self.model is not None and self.config.checkpoint.format == "sharded":
-            dist, model, optimizer = self.dist, self.model, self.optimizer
-            full["write_sharded"] = (
-                (lambda path: save_sharded(model, optimizer, path)) if dist is None
-                else (lambda path: dist.save_sharded(model, optimizer, path)))
+            save = save_sharded if self.dist is None else self.dist.save_sharded
+            model, optimizer = self.model, self.optimizer
+            full["write_sharded"] = lambda path: save(model, optimizer, path)
         elif self.model is not None and self.dist is not None:
             full["model_state"], full["optimizer_state"] = self.dist.gather_for_checkpoint(
                 self.model, self.optimizer)

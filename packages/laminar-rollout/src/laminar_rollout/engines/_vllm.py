@@ -37,10 +37,10 @@ see the package README). What it relies on:
   enforced here: vLLM's in-process executor ignores ``collective_rpc``'s own
   timeout); one that does not return raises ``EngineWedgedError`` and the worker
   leaves the job and is restarted;
-- ``get_metrics()`` (``disable_log_stats=False``): ``vllm:kv_cache_usage_perc``,
-  ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` from vLLM's
-  own scheduler stats give ``load()`` (repack's KV signal); before the first
-  step reports them, Laminar's own records do.
+- ``get_metrics()`` (``disable_log_stats=False``): ``vllm:kv_cache_usage_perc``
+  and ``vllm:num_requests_running`` from vLLM's own scheduler stats give
+  ``load()`` (repack's KV signal; queued = the rest of Laminar's unfinished
+  requests); before the first step reports them, Laminar's own records do.
 
 By default the engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 unless the caller set it), so tensors reach ``load_weights`` by reference; in
@@ -87,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 _EXTENSION = f"{__name__}.LaminarWorkerExtension"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
-_STATS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+_STATS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
 
 
 class LaminarWorkerExtension:
@@ -327,7 +327,7 @@ class VllmEngine(GenerationEngine):
         )
         stats = self._scheduler_stats() if n else None
         if stats is not None:
-            usage, running, waiting = stats
+            usage, running = stats
             # vLLM's counts may lag a step behind Laminar's (finished / newly added).
             active = min(running, n)
             return EngineLoad(active, n - active, self._max_batch, round(usage * capacity),
@@ -336,9 +336,9 @@ class VllmEngine(GenerationEngine):
         kv_used = sum(s.total_length for s in list(self._seqs.values())[:active])
         return EngineLoad(active, n - active, self._max_batch, kv_used, capacity)
 
-    def _scheduler_stats(self) -> tuple[float, int, int] | None:
-        """(KV-cache usage fraction, running, waiting) from vLLM's own scheduler stats,
-        or None before a step has reported them."""
+    def _scheduler_stats(self) -> tuple[float, int] | None:
+        """(KV-cache usage fraction, running requests) from vLLM's own scheduler stats,
+        or None before a step has reported them (queued = Laminar's unfinished - running)."""
         try:
             metrics = self._engine.get_metrics()
         except AssertionError:  # "Stat logging disabled" (engine_kwargs turned it off)
@@ -350,8 +350,7 @@ class VllmEngine(GenerationEngine):
         if len(found) < len(_STATS):
             return None
         return (min(max(found["vllm:kv_cache_usage_perc"], 0.0), 1.0),
-                int(found["vllm:num_requests_running"]),
-                int(found["vllm:num_requests_waiting"]))
+                int(found["vllm:num_requests_running"]))
 
     def progress(self) -> list[PartialProgress]:
         return [
