@@ -590,3 +590,79 @@ def test_filtered_groups_are_replaced_in_the_open_batch_of_sync_mode(tmp_path):
         sender.close()
         manager.close("test over")
         client.close()
+
+
+class _ManyStops(ByteTokenizer):
+    eos_token_ids = tuple(range(0, 300, 50))
+    """6 stop ids: a random tiny model stops after ~50 tokens, geometrically (a tail)."""
+
+
+def _torch_worker(store, wid):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from laminar_rollout.engines import TorchEngine
+
+    torch.manual_seed(0)  # every worker builds the same weights
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False)).eval()
+    weights = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    cfg = WorkerConfig(job=JOB, worker_id=wid, engine={"type": "simulated"},
+                       report_interval_s=0.05)
+    worker = WorkerService(cfg, TorchEngine(model, max_batch=4, seed=hash(wid) % 1000),
+                           _ManyStops(),
+                           fetch_weights=lambda v: FetchedVersion(v, list(weights)),
+                           reward_fn=lambda prompt, text, meta: 1.0,
+                           coordinator=InMemoryCoordinator(store, JOB))
+    return worker, model
+
+
+def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs(stack):
+    import torch
+
+    torch.set_num_threads(1)
+    store, trainer, start_manager, start_worker = stack
+    manager = start_manager(n_prompts=60, group_size=2, max_staleness=50,
+                            sampling={"max_tokens": 150, "temperature": 1.0},
+                            repack={"enabled": True, "interval_s": 0.1})
+    built = [_torch_worker(store, f"t{i}") for i in range(3)]
+    workers = [w.start() for w, _ in built]
+    model = built[0][1]
+    try:
+        assert _wait(lambda: len(trainer.got) >= 1, 30, trainer)
+        version = 0  # bump versions until repack has moved a cache (bounded, as above)
+        while manager.ledger.counters.kv_carried == 0 and version < 20 \
+                and len({t.trajectory_id for t in trainer.got}) < 110:
+            version += 1
+            trainer.coord.publish_version(VersionRecord(version=version))
+            _wait(lambda: manager.ledger.counters.kv_carried >= 1, 1, trainer)
+        assert manager.ledger.counters.kv_carried >= 1, manager.summary()
+        assert _wait(lambda: len({t.trajectory_id for t in trainer.got}) >= 120, 90, trainer)
+    finally:
+        for w in workers:
+            w.close("test over")
+    assert sum(w.counters["kv_migrated_out"] for w in workers) >= 1
+    moved_in = sum(w.counters["kv_migrated_in"] for w in workers)
+    assert moved_in >= 1 and sum(w.counters["kv_refused"] for w in workers) == 0
+    assert sum(w.engine.kv_reused_tokens for w in workers) > 0
+    got = {t.trajectory_id: t for t in trainer.got}
+    assert len(got) == 120 and len(trainer.got) == len(got), "a trajectory arrived twice"
+    migrated = [tid for tid, e in manager.ledger.entries.items()
+                if e.dispatches >= 2 and e.partial_tokens]
+    assert migrated
+    # Every version holds the same weights, so a trajectory continued from a moved cache
+    # must have the log-probs a teacher-forced forward of the whole sequence gives.
+    for tid in migrated:
+        traj, entry = got[tid], manager.ledger.entries[tid]
+        assert traj.response_token_ids[:len(entry.partial_tokens)] == entry.partial_tokens
+        ids = list(traj.prompt_token_ids) + list(traj.response_token_ids)
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0].double()
+        n = len(traj.prompt_token_ids)
+        logp = torch.log_softmax(logits[n - 1:-1], dim=-1)
+        ref = logp[torch.arange(len(traj.response_token_ids)),
+                   torch.tensor(traj.response_token_ids)]
+        assert torch.allclose(torch.tensor(traj.behaviour_logprobs, dtype=torch.float64),
+                              ref, atol=1e-4), tid

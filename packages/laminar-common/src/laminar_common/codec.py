@@ -33,6 +33,8 @@ __all__ = [
     "SamplingSpec",
     "PromptTask",
     "ConversationState",
+    "KvCache",
+    "KV_DTYPES",
     "Trajectory",
     "PartialProgress",
     "Ack",
@@ -52,8 +54,9 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 7
-"""7: :class:`Trajectory` carries ``observation_spans`` (multi-turn: the response tokens an
+PROTOCOL_VERSION = 8
+"""8: a migrated :class:`PromptTask` may carry its attention cache (:class:`KvCache`), so
+the destination worker skips the re-prefill. 7: :class:`Trajectory` carries ``observation_spans`` (multi-turn: the response tokens an
 environment added, never trained on; behaviour log-probs cover only the generated ones);
 a migrated :class:`PromptTask` carries its :class:`ConversationState`.
 6: member records carry ``host_id`` (same-host decisions compare it, not host
@@ -128,6 +131,43 @@ class ConversationState(_Msg, tag="conversation"):
     its worker is generated again from its first turn, never resumed."""
 
 
+KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+"""The cache dtypes a :class:`KvCache` may carry, with their sizes in bytes."""
+
+
+class KvCache(_Msg, tag="kv"):
+    """The attention cache of a migrated trajectory, as the engine that wrote it held it.
+
+    ``data`` is every layer's keys then values, each ``[kv_heads, num_tokens, head_dim]``
+    in C order, in ``dtype``; positions ``0 .. num_tokens - 1`` of the prompt and the
+    resumed tokens (all but the last, which the destination feeds next). Only an engine
+    of the same kind (``engine``) and model shape takes it; any other re-prefills.
+    Checked on decode: known dtype, positive sizes, and exactly the bytes they describe.
+    """
+
+    engine: str
+    dtype: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    num_tokens: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype {self.dtype!r} is not one of {sorted(KV_DTYPES)}")
+        for name in ("layers", "kv_heads", "head_dim", "num_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv {name} must be >= 1, got {getattr(self, name)}")
+        want = (2 * self.layers * self.kv_heads * self.num_tokens * self.head_dim
+                * KV_DTYPES[self.dtype])
+        if len(self.data) != want:
+            raise ValueError(
+                f"kv data holds {len(self.data)} bytes; {self.layers} layers x 2 x "
+                f"[{self.kv_heads}, {self.num_tokens}, {self.head_dim}] {self.dtype} "
+                f"take {want}")
+
+
 class PromptTask(_Msg, tag="prompt"):
     """One trajectory to generate (one sample of a GRPO group).
 
@@ -164,6 +204,10 @@ class PromptTask(_Msg, tag="prompt"):
     conversation: ConversationState | None = None
     """A multi-turn trajectory past its first turn: the resumed tokens hold tool results
     (see :class:`ConversationState`); None for a single turn or a first turn."""
+    kv: KvCache | None = None
+    """A migrated trajectory's attention cache (repack between workers whose engines
+    transfer KV); held by the manager in memory only, used once, and never required:
+    without it (or when it does not fit) the destination re-prefills."""
 
 
 class Trajectory(_Msg, tag="trajectory"):

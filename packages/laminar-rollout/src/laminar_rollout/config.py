@@ -266,6 +266,12 @@ class WorkerConfig(HostConfig):
     returned by then is a wedged engine: the worker leaves the job and exits 1, so
     its supervisor (``laminar up``, Ray) starts it again and it registers afresh
     instead of hanging with its slots idle."""
+    kv_transfer_max_mb: float = Field(default=16.0, ge=0, le=32)
+    """Repack: a trajectory handed back for migration carries its attention cache when
+    the engine transfers KV (torch engine) and the cache is at most this size, so a
+    destination with the same model shape continues without re-prefilling (others
+    re-prefill). It travels through the manager, in frames of at most 64 MiB (hence at
+    most 32): 0 turns it off."""
     stats_path: str | None = None
     """Write counters, busy/weight-wait time and a busy/idle/weights timeline here on exit."""
     metrics: MetricsConfig = MetricsConfig()

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from laminar_common.codec import ConversationState, PromptTask, SamplingSpec
+from laminar_common.codec import ConversationState, KvCache, PromptTask, SamplingSpec
 from laminar_common.data.records import Record
 
 __all__ = ["TrajectoryLedger", "Entry", "PENDING", "DISPATCHED", "DONE", "ACKED", "REJECTED"]
@@ -62,6 +62,9 @@ class Entry:
     partial_version: int = -1
     partial_conversation: ConversationState | None = None
     """A multi-turn trajectory's state at its export (its tokens hold tool results)."""
+    partial_kv: KvCache | None = None
+    """The attention cache exported with exactly ``partial_tokens`` (repack's KV
+    transfer): sent with the next dispatch only, then dropped."""
     reason: str = ""
 
 
@@ -76,6 +79,8 @@ class LedgerCounters:
     """Trajectories generated again because the trainer refused a copy by content."""
     filtered_unknown: int = 0
     """Filtered-group notices naming a prompt of no group the ledger holds."""
+    kv_carried: int = 0
+    """Exported trajectories that brought their attention cache (sent on with them)."""
     filtered_again: int = 0
     """Filtered-group notices for a group already marked (a re-sent notice)."""
     by_state: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -268,6 +273,7 @@ class TrajectoryLedger:
             # (an exported conversation keeps its consistent tokens-and-state pair)
             entry.partial_tokens, entry.partial_logprobs = tokens, logprobs
             entry.partial_version = version
+            entry.partial_kv = None
         return True
 
     def mark_done(self, tid: str, worker: str) -> bool:
@@ -365,6 +371,9 @@ class TrajectoryLedger:
         entry.partial_logprobs = tuple(task.resume_logprobs)
         entry.partial_version = task.policy_version if task.resume_token_ids else -1
         entry.partial_conversation = task.conversation if task.resume_token_ids else None
+        entry.partial_kv = task.kv if task.resume_token_ids else None
+        if entry.partial_kv is not None:
+            self.counters.kv_carried += 1
         self._move(entry, PENDING)
         entry.worker = None
         self._pending.appendleft(task.trajectory_id)
@@ -499,12 +508,14 @@ class TrajectoryLedger:
 
 
 def _with_resume(task: PromptTask, entry: Entry) -> PromptTask:
+    kv, entry.partial_kv = entry.partial_kv, None  # one use: the destination holds it now
     return msgspec.structs.replace(task, resume_token_ids=entry.partial_tokens,
                                    resume_logprobs=entry.partial_logprobs,
                                    policy_version=entry.partial_version,
-                                   conversation=entry.partial_conversation)
+                                   conversation=entry.partial_conversation, kv=kv)
 
 
 def _clear_partial(entry: Entry) -> None:
     entry.partial_tokens, entry.partial_logprobs, entry.partial_version = (), (), -1
     entry.partial_conversation = None
+    entry.partial_kv = None

@@ -55,7 +55,8 @@ from .config import WorkerConfig
 from .conversations import Completed, make_conversations
 from .engines import EngineError, GenerationEngine, GenerationOutput, GenerationRequest
 from .engines import SamplingParams as EngineSampling
-from .engines.base import call_with_deadline
+from .engines.base import KVState, call_with_deadline
+from .engines.kv_wire import kv_from_wire, kv_to_wire
 from .rewards import RewardFn, RewardPool, load_reward_fn
 from .tokenizer import Tokenizer
 from .version import __version__
@@ -225,6 +226,20 @@ class WorkerService(Service):
                    len(self._scoring)),
             Metric("exported_total", "counter", "trajectories handed back by repack",
                    c["exported"]),
+            Metric("kv_migrated_out_total", "counter",
+                   "exported trajectories that took their KV cache along", c["kv_migrated_out"]),
+            Metric("kv_migrated_in_total", "counter",
+                   "migrated trajectories continued from their KV cache (no re-prefill)",
+                   c["kv_migrated_in"]),
+            Metric("kv_refused_total", "counter",
+                   "migrated KV caches not used (another engine or model shape): re-prefilled",
+                   c["kv_refused"]),
+            Metric("kv_too_large_total", "counter",
+                   "exports whose cache exceeded kv_transfer_max_mb (re-prefilled)",
+                   c["kv_too_large"]),
+            Metric("kv_reused_tokens_total", "counter",
+                   "prompt and resumed tokens taken from a cache instead of prefilled",
+                   getattr(self.engine, "kv_reused_tokens", 0)),
             Metric("weight_loads_total", "counter", "weight versions loaded", c["weight_loads"]),
             Metric("weight_pull_failures_total", "counter",
                    "weight fetches or loads that failed (retried)", c["pull_failed"]),
@@ -423,6 +438,11 @@ class WorkerService(Service):
                             msg.trajectory_id, msg.policy_version, self.engine.weight_version)
                 self.counters["resume_refused"] += 1
                 msg = _without_resume(msg)
+            if msg.kv is not None and not (msg.resume_token_ids
+                                           and self.engine.supports_kv_transfer):
+                self._refuse_kv(msg, "this worker's engine takes no KV cache"
+                                if msg.resume_token_ids else "the task resumes no tokens")
+                msg = msgspec.structs.replace(msg, kv=None)
             if msg.resume_token_ids:
                 self._add(msg)
             else:
@@ -460,14 +480,25 @@ class WorkerService(Service):
                     task.messages or task.prompt)
             params = EngineSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                     max_tokens=max_tokens, stop_token_ids=stop, seed=s.seed)
-            request = GenerationRequest(
-                request_id=task.trajectory_id, prompt_token_ids=ids, params=params,
-                resume_token_ids=list(task.resume_token_ids),
-                resume_logprobs=list(task.resume_logprobs),
-                policy_version=task.policy_version if task.resume_token_ids else None,
-                keep_kv=self.conversations is not None and self.conversations.reuse_kv,
-            )
-            self.engine.add_request(request)
+
+            def request(kv: KVState | None = None) -> GenerationRequest:
+                return GenerationRequest(
+                    request_id=task.trajectory_id, prompt_token_ids=ids, params=params,
+                    resume_token_ids=list(task.resume_token_ids),
+                    resume_logprobs=list(task.resume_logprobs),
+                    policy_version=task.policy_version if task.resume_token_ids else None,
+                    keep_kv=self.conversations is not None and self.conversations.reuse_kv,
+                    kv=kv)
+
+            if task.kv is None:
+                self.engine.add_request(request())
+            else:
+                try:
+                    self.engine.add_request(request(kv_from_wire(task.kv)))
+                    self.counters["kv_migrated_in"] += 1
+                except (EngineError, ValueError) as exc:  # e.g. another model shape
+                    self.engine.add_request(request())  # (fails again if the cache was not why)
+                    self._refuse_kv(task, str(exc))
         except (EngineError, ConfigError, ValueError) as exc:
             self.counters["rejected"] += 1
             if self.conversations is not None:
@@ -566,7 +597,12 @@ class WorkerService(Service):
         # (its side effects are running here); one between turns in the engine moves
         # with its conversation state.
         wanted = [t for t in ids if t in self._tasks]
-        for req in self.engine.export(wanted):
+        # A single-turn trajectory takes its cache along (a conversation re-renders its
+        # turns on the destination, so it re-prefills).
+        with_kv = self.config.kv_transfer_max_mb > 0 and self.engine.supports_kv_transfer \
+            and self.conversations is None
+        for req in (self.engine.export_with_kv(wanted) if with_kv
+                    else self.engine.export(wanted)):
             task = self._tasks.pop(req.request_id)
             conversation = self.conversations.export_state(req.request_id, replayable=True) \
                 if self.conversations is not None else None
@@ -575,10 +611,28 @@ class WorkerService(Service):
                 resume_token_ids=tuple(req.resume_token_ids),
                 resume_logprobs=tuple(req.resume_logprobs),
                 policy_version=req.policy_version if req.policy_version is not None else -1,
-                conversation=conversation,
+                conversation=conversation, kv=self._kv_out(req),
             ))
             self.counters["exported"] += 1
         self._report(force=True)
+
+    def _kv_out(self, req: GenerationRequest) -> codec.KvCache | None:
+        """The exported request's cache for the wire, if it has one that may travel."""
+        if req.kv is None or not req.resume_token_ids:
+            return None
+        if req.kv.nbytes > self.config.kv_transfer_max_mb * 2**20:
+            self.counters["kv_too_large"] += 1
+            return None
+        blob = kv_to_wire(req.kv)
+        self.counters["kv_migrated_out"] += 1
+        self.counters["kv_bytes_out"] += len(blob.data)
+        return blob
+
+    def _refuse_kv(self, task: PromptTask, why: str) -> None:
+        self.counters["kv_refused"] += 1
+        log.warning("trajectory %s: its KV cache (%d positions, %s engine) is not used, "
+                    "re-prefilling instead: %s", task.trajectory_id, task.kv.num_tokens,
+                    task.kv.engine, why)
 
     def _load_weights(self, version: int) -> None:
         if self.fetch_weights is None:
