@@ -58,6 +58,7 @@ def make_job(mode: str, root: Path, args: argparse.Namespace) -> JobFile:
                                    "group_size": args.group_size,
                                    "batch_groups": args.batch_groups, "mode": mode,
                                    "max_staleness": args.max_staleness,
+                                   "max_waiting": args.max_waiting,
                                    "sampling": {"max_tokens": args.max_length},
                                    "repack": {"enabled": not args.no_repack,
                                               "interval_s": 1.0},
@@ -157,7 +158,12 @@ def main() -> int:
     p.add_argument("--step-b", type=float, default=0.0004, help="decode step time per sequence")
     p.add_argument("--step-s", type=float, default=0.3, help="simulated training step (s)")
     p.add_argument("--weight-mb", type=float, default=8.0, help="published weights (MiB)")
-    p.add_argument("--max-staleness", type=int, default=2, help="laminar-mode run-ahead bound")
+    p.add_argument("--max-staleness", type=lambda v: None if v.lower() == "none" else int(v),
+                   default=2, help="laminar-mode run-ahead bound (ManagerConfig.max_staleness; "
+                                   "'none': off)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="laminar mode: no new group while this many batches of finished "
+                        "trajectories wait for the trainer (ManagerConfig.max_waiting)")
     p.add_argument("--no-repack", action="store_true", help="turn dynamic repack off")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     p.add_argument("--out", default="runs/bench_modes", help="output directory")

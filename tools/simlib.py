@@ -285,6 +285,8 @@ class SimConfig:
             the grants are water-filled over the latest-version workers. ``None`` = no
             bound: when rollouts outpace the trainer, the backlog and the staleness grow
             with the length of the run.
+        laminar_max_waiting: ``ManagerConfig.max_waiting``: no new group while this many
+            global batches of finished trajectories wait for the trainer (None: off).
         weight_sync: ``relay`` (the trainer snapshots and goes on; the relay chain spreads
             the version; each worker pulls when it needs it) or ``nccl`` (barrier modes: a
             global NCCL-style broadcast once the trainer finished a step and every engine
@@ -303,6 +305,7 @@ class SimConfig:
     repack_min_sources: int = _REPACK_DEFAULTS.min_sources
     report_interval_s: float = 0.5
     laminar_max_staleness: int | None = None
+    laminar_max_waiting: int | None = None
     weight_sync: str = "relay"
     seed: int = 0
     check_invariants: bool = False
@@ -318,6 +321,8 @@ class SimConfig:
             raise ValueError("need measure_steps >= 1, warmup_steps >= 0 and warmup_s >= 0")
         if self.laminar_max_staleness is not None and self.laminar_max_staleness < 0:
             raise ValueError("laminar_max_staleness must be >= 0 or None")
+        if self.laminar_max_waiting is not None and self.laminar_max_waiting < 1:
+            raise ValueError("laminar_max_waiting must be >= 1 or None")
 
 
 @dataclass
@@ -444,7 +449,8 @@ class _Sim:
         self.all_dirty = True
         self.hungry: set[int] = set()
         self.resumable: set[int] = set()
-        self.admission = Admission(self.bg, self.gs, config.laminar_max_staleness)
+        self.admission = Admission(self.bg, self.gs, config.laminar_max_staleness,
+                                   config.laminar_max_waiting)
         self.trainer_version = 0
         self.training = False
         self.trainer_free_at = 0.0
@@ -714,6 +720,7 @@ class _Sim:
             plan = plan_dispatch(views, self.latest,
                                  pending=self.ledger.counters.by_state["pending"],
                                  created=self.ledger.created, admission=self.admission,
+                                 waiting=self.ledger.counters.by_state["done"],
                                  want=self.max_batch * len(self.workers))
             for _ in range(plan.new_groups):
                 self.add_group(-1)

@@ -66,6 +66,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-staleness", default="2",
                    help="laminar admission bound (ManagerConfig.max_staleness, default 2), "
                         "or 'none' for unbounded dispatch")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="laminar: no new group while this many global batches of finished "
+                        "trajectories wait for the trainer (ManagerConfig.max_waiting; "
+                        "default off)")
     p.add_argument("--no-repack", action="store_true", help="laminar without dynamic repack")
     p.add_argument("--batch-prompts", type=int, default=512, help="prompts per global batch")
     p.add_argument("--group-size", type=int, default=16, help="samples per prompt (GRPO)")
@@ -116,6 +120,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--fractions must lie in (0, 1)")
     if args.max_staleness is not None and args.max_staleness < 0:
         p.error("--max-staleness must be >= 0 or 'none'")
+    if args.max_waiting is not None and args.max_waiting < 1:
+        p.error("--max-waiting must be >= 1")
     if args.steps < 1 or args.laminar_steps < 1:
         p.error("--steps and --laminar-steps must be >= 1")
     if not 0 <= args.gen_share < 1:
@@ -175,7 +181,8 @@ def _configs(args, fill: float):
                               weight_sync="nccl", seed=args.seed),
         "laminar": SimConfig("laminar", measure_steps=args.laminar_steps, warmup_steps=2,
                              warmup_s=2 * fill, repack=not args.no_repack,
-                             laminar_max_staleness=args.max_staleness, seed=args.seed),
+                             laminar_max_staleness=args.max_staleness,
+                             laminar_max_waiting=args.max_waiting, seed=args.seed),
     }
 
 
@@ -268,7 +275,10 @@ def assumptions(model, workload, args) -> list[tuple[str, str, str]]:
          "assumption: 200 Gb/s NICs; one broadcast per tensor (771 in Qwen2.5-32B)"),
         ("relay", f"{m.relay_bandwidth / 1e9:.0f} GB/s, {m.chunk_bytes / 1e6:.0f} MB chunks; "
          f"load {m.h2d_bandwidth / 1e9:.0f} GB/s/GPU", "assumption: 200 Gb/s NICs, PCIe 5"),
-        ("staleness bound", str(args.max_staleness), "ManagerConfig.max_staleness default"),
+        ("staleness bound", str(args.max_staleness), "ManagerConfig.max_staleness default"
+         if args.max_staleness == 2 else "--max-staleness"),
+        ("waiting bound", str(args.max_waiting), "ManagerConfig.max_waiting default"
+         if args.max_waiting is None else "--max-waiting"),
     ]
 
 
@@ -312,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in model.describe(workload=workload):
         print("  " + line)
     print(f"  laminar repack {'off' if args.no_repack else 'on'}, staleness bound "
-          f"{args.max_staleness}; one-step and laminar at the best rollout share of "
+          f"{args.max_staleness}, waiting bound {args.max_waiting}; one-step and laminar at the best rollout share of "
           f"{', '.join(f'{f:g}' for f in args.fractions)}; seed {args.seed}")
     print()
     print("Assumptions (every number the result depends on, with its source):")

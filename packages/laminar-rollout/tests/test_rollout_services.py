@@ -666,3 +666,22 @@ def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs
                    torch.tensor(traj.response_token_ids)]
         assert torch.allclose(torch.tensor(traj.behaviour_logprobs, dtype=torch.float64),
                               ref, atol=1e-4), tid
+
+
+def test_the_waiting_bound_stops_creation_while_finished_work_waits_and_resumes_on_acks(stack):
+    store, trainer, start_manager, start_worker = stack
+    # One batch = 2 groups x 2 = 4 trajectories; no run-ahead bound, one batch may wait.
+    manager = start_manager(n_prompts=60, group_size=2, batch_groups=2, max_staleness=None,
+                            max_waiting=1)
+    start_worker("w1", max_batch=4)
+    start_worker("w2", max_batch=4)
+    assert _wait(lambda: len(trainer.got) >= 4, 20, trainer)
+    trainer.pump(0.5)  # nothing acked: finished work piles up, then creation stops
+    created = manager.ledger.created
+    # At most: a batch waiting before the stop, plus the 8 slots and 8 pending (the
+    # workers' capacity) created in the pass that saw fewer than a batch waiting.
+    assert created <= 4 + 8 + 8 + 2, manager.summary()
+    trainer.pump(0.5)
+    assert manager.ledger.created == created, "creation went on while a batch waited"
+    trainer.ack([t.trajectory_id for t in trainer.got])
+    assert _wait(lambda: manager.ledger.created > created, 10, trainer), manager.summary()

@@ -41,6 +41,31 @@ def test_a_binding_bound_spreads_the_work_instead_of_filling_the_first_workers()
     assert at_bound.grants == {"w0": 2, "w1": 1}  # loads 2, 1, 5, 1: the empty ones first
 
 
+def test_the_waiting_bound_counts_finished_work_only_so_a_long_tail_does_not_idle_slots():
+    # Long tails hold 10 of 32 slots; 40 trajectories were created at version 1.
+    workers = [WorkerView("tail", 1, capacity=16, assigned=10),
+               WorkerView("free", 1, capacity=16, assigned=0)]
+    # The run-ahead bound (1): (1 + 1 + 1) * 2 * 4 = 24 < 40 created: nothing new, the
+    # free worker idles although the trainer waits for the tail.
+    runahead = plan_dispatch(workers, latest=1, pending=0, created=40,
+                             admission=Admission(2, 4, max_staleness=1))
+    assert runahead.new_groups == 0 and runahead.grants == {}
+    # The waiting bound (1 batch = 8 finished trajectories) with 3 waiting: fill the slots.
+    waiting = Admission(2, 4, max_staleness=None, max_waiting=1)
+    plan = plan_dispatch(workers, latest=1, pending=0, created=40, admission=waiting,
+                         waiting=3)
+    assert plan.new_groups == 8 and plan.grants == {"free": 16, "tail": 6}  # (pending: 10)
+    # With a batch's worth finished and waiting, over-production stops.
+    full = plan_dispatch(workers, latest=1, pending=0, created=40, admission=waiting,
+                         waiting=8)
+    assert full.new_groups == 0 and full.grants == {}
+    # Both bounds: each can stop admission.
+    both = Admission(2, 4, max_staleness=1, max_waiting=1)
+    assert both.room(latest=1, created=40, waiting=0) == 0
+    assert both.room(latest=5, created=40, waiting=8) == 0
+    assert both.room(latest=5, created=40, waiting=7) == (5 + 2) * 8 - 40
+
+
 def test_water_fill_never_exceeds_capacity_or_budget():
     workers = [WorkerView("a", 0, capacity=2, assigned=0), WorkerView("b", 0, capacity=10, assigned=3),
                WorkerView("c", 0, capacity=10, assigned=0)]

@@ -320,11 +320,19 @@ class ManagerConfig(ListenConfig):
     batch_groups: int = Field(default=8, ge=1)
     """Groups per trainer step: the global batch of sync and one-step modes, and
     the unit of laminar mode's run-ahead bound (set it to the trainer's)."""
-    max_staleness: int = Field(default=2, ge=0)
+    max_staleness: int | None = Field(default=2, ge=0)
     """laminar mode: create new trajectories only while fewer than
     ((latest version + 1 + max_staleness) x batch_groups + filtered groups) x group_size
     exist, so generation runs at most this many versions ahead of the trainer (a group
-    the trainer's dynamic sampling dropped, told by ``GroupsFiltered``, buys one more)."""
+    the trainer's dynamic sampling dropped, told by ``GroupsFiltered``, buys one more).
+    It counts work in flight, so long tails holding slots can stop admission while
+    other slots idle. null: off (then set ``max_waiting``)."""
+    max_waiting: int | None = Field(default=None, ge=1)
+    """laminar mode: create no new group while this many batches (batch_groups x
+    group_size trajectories) of finished trajectories wait for the trainer. It bounds
+    over-production without idling slots: staleness is then a trajectory's own
+    generation time in trainer steps plus at most this many steps of waiting.
+    null: off."""
     max_prompts: int | None = Field(default=None, ge=1)
     """Stop dispatching after this many prompts (default: the whole file, once)."""
     epochs: int = Field(default=1, ge=1)

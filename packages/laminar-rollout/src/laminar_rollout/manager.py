@@ -55,7 +55,7 @@ from laminar_common.transport import (
 )
 
 from .config import ManagerConfig
-from .ledger import PENDING, TrajectoryLedger
+from .ledger import DONE, PENDING, TrajectoryLedger
 from .prompts import PromptCursor, check_resume, load_prompt_file
 from .repack import KvLifecycle, WorkerLoad, plan_repack
 from .scheduling import Admission, WorkerView, plan_barrier, plan_dispatch, required_version
@@ -478,8 +478,10 @@ class ManagerService(Service):
             plan = plan_dispatch(
                 views, self.latest, pending=self.ledger.pending_count(),
                 created=self.ledger.created,
-                admission=Admission(cfg.batch_groups, cfg.group_size, cfg.max_staleness),
+                admission=Admission(cfg.batch_groups, cfg.group_size, cfg.max_staleness,
+                                    cfg.max_waiting),
                 filtered_groups=self.ledger.filtered_groups,
+                waiting=self.ledger.counters.by_state[DONE],
                 can_create=not self.cursor.exhausted())
             for _ in range(plan.new_groups):
                 if self.cursor.exhausted():

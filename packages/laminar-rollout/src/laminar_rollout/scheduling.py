@@ -6,8 +6,9 @@ take and which workers must pull which weight version first.
 
 - ``laminar``: trajectory-level asynchrony (:func:`plan_dispatch`). New prompt
   groups are admitted while the pending work is below the workers' total
-  capacity and the run-ahead bound allows (``max_staleness``: at most
-  ``(latest + 1 + bound) * batch`` trajectories created). Workers at the
+  capacity and the admission bounds allow (:class:`Admission`: ``max_staleness``,
+  at most ``(latest + 1 + bound) * batch`` trajectories created; ``max_waiting``,
+  fewer than that many batches of finished work waiting for the trainer). Workers at the
   latest version share what can be granted by water-filling: the least loaded
   are raised first, so when the bound binds the work is spread instead of
   piled on the first workers in line. A stale worker that still holds
@@ -55,22 +56,40 @@ class DispatchPlan:
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """Laminar mode's run-ahead bound: at most ``(latest + 1 + max_staleness) *
-    batch_groups`` groups created (plus one per group the trainer filtered out),
-    so no trajectory starts more than ``max_staleness`` versions ahead of the one
-    that will train it. ``max_staleness`` None: no bound."""
+    """Laminar mode's admission: two bounds, each optional.
+
+    - ``max_staleness`` (run-ahead): at most ``(latest + 1 + max_staleness) *
+      batch_groups`` groups created (plus one per group the trainer filtered out), so
+      no trajectory *starts* more than ``max_staleness`` versions ahead of the one that
+      will train it. It counts work in flight too, so a long tail holding slots stops
+      admission while other slots are free.
+    - ``max_waiting`` (over-production): no new group while ``max_waiting *
+      batch_groups`` groups' worth of finished trajectories wait for the trainer. It
+      counts only finished work, so slots never idle while the trainer is short of
+      work; a trajectory's staleness is then its own generation time in trainer steps
+      plus at most ``max_waiting`` steps of waiting.
+
+    None: that bound is off.
+    """
 
     batch_groups: int
     group_size: int
     max_staleness: int | None = 1
+    max_waiting: int | None = None
 
-    def room(self, latest: int, created: int, filtered_groups: int = 0) -> int | None:
-        """Trajectories that may still be created (None: unbounded)."""
-        if self.max_staleness is None:
-            return None
-        allowed = ((latest + 1 + self.max_staleness) * self.batch_groups
-                   + filtered_groups) * self.group_size
-        return max(0, allowed - created)
+    def room(self, latest: int, created: int, filtered_groups: int = 0,
+             waiting: int = 0) -> int | None:
+        """Trajectories that may still be created (None: unbounded); ``waiting``:
+        finished trajectories the trainer has not consumed yet."""
+        room = None
+        if self.max_waiting is not None and \
+                waiting >= self.max_waiting * self.batch_groups * self.group_size:
+            room = 0
+        if self.max_staleness is not None:
+            allowed = ((latest + 1 + self.max_staleness) * self.batch_groups
+                       + filtered_groups) * self.group_size
+            room = max(0, allowed - created) if room is None else 0
+        return room
 
 
 def water_fill(workers: list[WorkerView], budget: int) -> dict[str, int]:
@@ -106,7 +125,7 @@ def water_fill(workers: list[WorkerView], budget: int) -> dict[str, int]:
 
 
 def plan_dispatch(workers: list[WorkerView], latest: int, *, pending: int, created: int,
-                  admission: Admission, filtered_groups: int = 0,
+                  admission: Admission, filtered_groups: int = 0, waiting: int = 0,
                   can_create: bool = True, want: int | None = None) -> DispatchPlan:
     """Laminar mode's whole dispatch decision (the manager and the simulator run it).
 
@@ -117,6 +136,7 @@ def plan_dispatch(workers: list[WorkerView], latest: int, *, pending: int, creat
         created: trajectories created over the run (what the bound counts).
         admission: the run-ahead bound.
         filtered_groups: groups the trainer filtered out (each may be replaced).
+        waiting: finished trajectories the trainer has not consumed (``max_waiting``).
         can_create: False when the prompt source is exhausted.
         want: pending work to keep (default: the total capacity of ``workers``; a
             caller that passes only some workers passes the total of all).
@@ -130,7 +150,7 @@ def plan_dispatch(workers: list[WorkerView], latest: int, *, pending: int, creat
              if w.pulling is None and w.version < latest and w.assigned == 0}
     if want is None:
         want = sum(w.capacity for w in workers)
-    room = admission.room(latest, created, filtered_groups)
+    room = admission.room(latest, created, filtered_groups, waiting)
     new_groups = 0
     if can_create:
         gs = admission.group_size
