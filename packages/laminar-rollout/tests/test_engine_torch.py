@@ -20,14 +20,7 @@ VOCAB = 48
 CONTEXT = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # the CI boxes are 2 shared cores: OpenMP spinning on a busy core makes tiny
-    # matmuls hundreds of times slower than one thread
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _build(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:

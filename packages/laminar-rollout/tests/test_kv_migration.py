@@ -21,12 +21,7 @@ from laminar_rollout.worker import FetchedVersion, WorkerService
 VOCAB = 300
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _build(dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:

@@ -87,6 +87,19 @@ def _wait(cond, timeout_s, trainer=None):
     return cond()
 
 
+def _bump_versions_until(trainer, done, bumps, wait_s, work_left) -> int:
+    """Publish versions 1, 2, ... until ``done()``, at most ``bumps`` of them and while
+    ``work_left(distinct trajectories received)``; returns the last version published.
+    (Whether a repack happens after one bump depends on timing, so tests bump again.)"""
+    version = 0
+    while not done() and version < bumps and \
+            work_left(len({t.trajectory_id for t in trainer.got})):
+        version += 1
+        trainer.coord.publish_version(VersionRecord(version=version))
+        _wait(done, wait_s, trainer)
+    return version
+
+
 _INPROC_RUNS = itertools.count()
 
 
@@ -279,12 +292,8 @@ def test_repack_moves_stale_stragglers_and_frees_the_source(stack):
     # repack needs two stale workers still draining when it looks, and a request can
     # race with the stragglers finishing), so a loaded machine may miss one version
     # bump's window: bump again, a bounded number of times, while work is left.
-    version = 0
-    while manager.ledger.counters.migrated == 0 and version < 8 \
-            and len({t.trajectory_id for t in trainer.got}) < 60:
-        version += 1
-        trainer.coord.publish_version(VersionRecord(version=version))
-        _wait(lambda: manager.ledger.counters.migrated >= 1, 3, trainer)
+    version = _bump_versions_until(trainer, lambda: manager.ledger.counters.migrated >= 1,
+                                   bumps=8, wait_s=3, work_left=lambda n: n < 60)
     assert manager.ledger.counters.migrated >= 1, manager.summary()
     assert _wait(lambda: len({t.trajectory_id for t in trainer.got}) >= 160, 60, trainer)
     trainer.pump(0.3)
@@ -619,10 +628,10 @@ def _torch_worker(store, wid):
     return worker, model
 
 
-def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs(stack):
+def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs(
+        stack, single_torch_thread):
     import torch
 
-    torch.set_num_threads(1)
     store, trainer, start_manager, start_worker = stack
     manager = start_manager(n_prompts=60, group_size=2, max_staleness=50,
                             sampling={"max_tokens": 150, "temperature": 1.0},
@@ -632,12 +641,8 @@ def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs
     model = built[0][1]
     try:
         assert _wait(lambda: len(trainer.got) >= 1, 30, trainer)
-        version = 0  # bump versions until repack has moved a cache (bounded, as above)
-        while manager.ledger.counters.kv_carried == 0 and version < 20 \
-                and len({t.trajectory_id for t in trainer.got}) < 110:
-            version += 1
-            trainer.coord.publish_version(VersionRecord(version=version))
-            _wait(lambda: manager.ledger.counters.kv_carried >= 1, 1, trainer)
+        _bump_versions_until(trainer, lambda: manager.ledger.counters.kv_carried >= 1,
+                             bumps=20, wait_s=1, work_left=lambda n: n < 110)
         assert manager.ledger.counters.kv_carried >= 1, manager.summary()
         assert _wait(lambda: len({t.trajectory_id for t in trainer.got}) >= 120, 90, trainer)
     finally:
