@@ -43,6 +43,24 @@ def test_stale_reports_change_nothing():
     assert led.counts()[DISPATCHED] == 1
 
 
+def test_progress_continuations_extend_the_tokens_and_gaps_are_counted_not_applied():
+    led = _ledger(1, 1)
+    led.take_pending("w1", version=3, limit=1)
+    entry = led.entries["p0#0"]
+    assert led.record_partial("p0#0", "w1", 3, (5, 6), (-0.1, -0.2))  # full
+    assert led.record_partial("p0#0", "w1", 3, (7,), (-0.3,), offset=2)  # continues
+    assert entry.partial_tokens == [5, 6, 7] and entry.partial_logprobs == [-0.1, -0.2, -0.3]
+    led.record_partial("p0#0", "w1", 3, (7, 8), (-0.3, -0.4), offset=2)  # overlaps: fine
+    assert entry.partial_tokens == [5, 6, 7, 8]
+    led.record_partial("p0#0", "w1", 3, (10,), (-0.5,), offset=6)  # a gap: dropped
+    led.record_partial("p0#0", "w1", 4, (9,), (-0.5,), offset=4)  # another version
+    assert entry.partial_tokens == [5, 6, 7, 8] and led.counters.progress_gaps == 2
+    led.record_partial("p0#0", "w1", 3, (5, 6, 7, 8, 9, 10), (-0.1,) * 6)  # full mends it
+    assert entry.partial_tokens == [5, 6, 7, 8, 9, 10]
+    assert not led.record_partial("p0#0", "w2", 3, (11,), (-0.1,), offset=6)  # not its holder
+    assert entry.partial_tokens == [5, 6, 7, 8, 9, 10]
+
+
 def test_lost_worker_resumes_partial_and_regenerates_unacked():
     led = _ledger(2, 1)
     led.take_pending("w1", version=3, limit=2)
@@ -119,12 +137,12 @@ def test_an_exported_conversation_travels_with_its_tokens_and_a_lost_one_follows
         assert moved.conversation.replayable is replayable
         # A partial from the new holder cannot replace the exported tokens-and-state pair.
         led.record_partial(task.trajectory_id, "w2", 1, (1,) * 9, (-0.1,) * 9)
-        assert led.entries[task.trajectory_id].partial_tokens == (7, 8, 9, 9, 5)
+        assert led.entries[task.trajectory_id].partial_tokens == [7, 8, 9, 9, 5]
     resumable, again = led.worker_lost("w2")
     # The replayable one resumes where it was exported; the other starts afresh.
     assert resumable == ["p0#0"] and again == ["p1#0"]
     assert led.entries["p1#0"].partial_conversation is None
-    assert led.entries["p1#0"].partial_tokens == ()
+    assert led.entries["p1#0"].partial_tokens == []
 
 
 def test_rejected_is_final():
@@ -207,7 +225,7 @@ def test_restore_keeps_acked_and_rejected_and_makes_the_rest_pending():
     back = TrajectoryLedger.restored(snap, records.get, SAMPLING)
     assert back.counts() == {PENDING: 4, DISPATCHED: 0, DONE: 0, ACKED: 1, REJECTED: 1}
     assert back.entries["p1#0"].state == ACKED and back.entries["p2#0"].state == REJECTED
-    assert back.entries["p0#0"].partial_tokens == ()  # tokens are not kept
+    assert back.entries["p0#0"].partial_tokens == []  # tokens are not kept
     assert back.entries["p2#1"].batch == 1
     assert not back.batch_done(0) and not back.batch_done(1)
     again = back.take_pending("w2", 1, 10)

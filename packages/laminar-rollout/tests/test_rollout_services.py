@@ -312,7 +312,7 @@ def test_repack_moves_stale_stragglers_and_frees_the_source(stack):
         traj = got[tid]
         assert entry.partial_version <= version
         assert traj.policy_version == entry.partial_version
-        assert traj.response_token_ids[:len(entry.partial_tokens)] == entry.partial_tokens
+        assert list(traj.response_token_ids[:len(entry.partial_tokens)]) == entry.partial_tokens
     assert any(t.policy_version >= 1 for t in trainer.got)
     placed = manager.stats.migrations_placed
     assert placed >= len(resumed) and 0 < manager.stats.migration_seconds < 30 * placed
@@ -661,7 +661,7 @@ def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs
     # must have the log-probs a teacher-forced forward of the whole sequence gives.
     for tid in migrated:
         traj, entry = got[tid], manager.ledger.entries[tid]
-        assert traj.response_token_ids[:len(entry.partial_tokens)] == entry.partial_tokens
+        assert list(traj.response_token_ids[:len(entry.partial_tokens)]) == entry.partial_tokens
         ids = list(traj.prompt_token_ids) + list(traj.response_token_ids)
         with torch.inference_mode():
             logits = model(torch.tensor([ids])).logits[0].double()
@@ -690,3 +690,26 @@ def test_the_waiting_bound_stops_creation_while_finished_work_waits_and_resumes_
     assert manager.ledger.created == created, "creation went on while a batch waited"
     trainer.ack([t.trajectory_id for t in trainer.got])
     assert _wait(lambda: manager.ledger.created > created, 10, trainer), manager.summary()
+
+
+def test_reports_carry_only_new_progress_and_the_manager_holds_every_token(stack):
+    store, trainer, start_manager, start_worker = stack
+    manager = start_manager(n_prompts=4, group_size=2, sampling={"max_tokens": 400})
+    worker = start_worker("w1", max_batch=8, median=300, max_length=400, step_s=0.004)
+    # Long trajectories decoding over many reports (every 0.05 s): the manager rebuilds
+    # each from continuations between full reports. What it last held of a trajectory
+    # must be a prefix of the finished one, token for token and log-prob for log-prob.
+    assert _wait(lambda: len(trainer.got) >= 8, 60, trainer)
+    long_ones = 0
+    for traj in trainer.got:
+        entry = manager.ledger.entries[traj.trajectory_id]
+        n = len(entry.partial_tokens)
+        assert entry.partial_tokens == list(traj.response_token_ids[:n]), traj.trajectory_id
+        assert entry.partial_logprobs == list(traj.behaviour_logprobs[:n]), traj.trajectory_id
+        long_ones += n > 50
+    assert long_ones >= 4, [len(t.response_token_ids) for t in trainer.got]
+    assert manager.ledger.counters.progress_gaps == 0
+    # Sent: each token about once (plus a full report now and then), far below every report
+    # repeating every token so far.
+    generated = sum(len(t.response_token_ids) for t in trainer.got)
+    assert 0 < worker.counters["progress_tokens"] < 3 * generated, worker.counters

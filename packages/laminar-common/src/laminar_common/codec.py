@@ -56,7 +56,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 8
 """8: a migrated :class:`PromptTask` may carry its attention cache (:class:`KvCache`), so
-the destination worker skips the re-prefill. 7: :class:`Trajectory` carries ``observation_spans`` (multi-turn: the response tokens an
+the destination worker skips the re-prefill; :class:`PartialProgress` may carry only the
+tokens since the last report (``offset``), batched in :class:`WorkerReport` ``progress``. 7: :class:`Trajectory` carries ``observation_spans`` (multi-turn: the response tokens an
 environment added, never trained on; behaviour log-probs cover only the generated ones);
 a migrated :class:`PromptTask` carries its :class:`ConversationState`.
 6: member records carry ``host_id`` (same-host decisions compare it, not host
@@ -249,13 +250,21 @@ class Trajectory(_Msg, tag="trajectory"):
 
 
 class PartialProgress(_Msg, tag="partial"):
-    """Tokens generated so far for an unfinished trajectory."""
+    """Tokens generated so far for an unfinished trajectory, or the ones since the last
+    report: ``token_ids`` / ``logprobs`` continue the trajectory at index ``offset``
+    (0: all of them). A worker sends only what is new (and all of it now and then), so
+    a report costs the tokens decoded since the last one, not every token so far."""
 
     trajectory_id: str
     worker_id: str
     policy_version: int
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.offset < 0:
+            raise ValueError(f"progress of {self.trajectory_id!r}: offset {self.offset} < 0")
 
 
 class Ack(_Msg, tag="ack"):
@@ -308,6 +317,8 @@ class WorkerReport(_Msg, tag="report"):
     kv_capacity_tokens: int
     holding: tuple[str, ...] = ()
     done: tuple[str, ...] = ()
+    progress: tuple[PartialProgress, ...] = ()
+    """The unfinished trajectories' new tokens since the last report (one frame for all)."""
 
 
 class PullWeights(_Msg, tag="pull_weights"):

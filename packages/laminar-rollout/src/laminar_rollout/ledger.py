@@ -57,8 +57,10 @@ class Entry:
     state: str = PENDING
     worker: str | None = None
     dispatches: int = 0
-    partial_tokens: tuple[int, ...] = ()
-    partial_logprobs: tuple[float, ...] = ()
+    partial_tokens: list[int] = field(default_factory=list)
+    partial_logprobs: list[float] = field(default_factory=list)
+    """What the last worker reported of it (lists: a report's continuation extends them
+    in place, so a report costs its new tokens, not every token so far)."""
     partial_version: int = -1
     partial_conversation: ConversationState | None = None
     """A multi-turn trajectory's state at its export (its tokens hold tool results)."""
@@ -79,6 +81,8 @@ class LedgerCounters:
     """Trajectories generated again because the trainer refused a copy by content."""
     filtered_unknown: int = 0
     """Filtered-group notices naming a prompt of no group the ledger holds."""
+    progress_gaps: int = 0
+    """Progress continuations that did not meet the tokens held (dropped until a full one)."""
     kv_carried: int = 0
     """Exported trajectories that brought their attention cache (sent on with them)."""
     filtered_again: int = 0
@@ -264,14 +268,24 @@ class TrajectoryLedger:
         return n
 
     def record_partial(self, tid: str, worker: str, version: int, tokens: tuple[int, ...],
-                       logprobs: tuple[float, ...]) -> bool:
+                       logprobs: tuple[float, ...], offset: int = 0) -> bool:
+        """A worker's progress report: ``tokens`` continue the trajectory at ``offset``
+        (0: they are all of it). A continuation that does not meet what the ledger holds
+        (a gap, or another version) is counted and dropped: the worker's next full report
+        mends it."""
         entry = self.entries.get(tid)
         if entry is None or entry.state != DISPATCHED or entry.worker != worker:
             self.counters.stale_reports += 1
             return False
-        if entry.partial_conversation is None and len(tokens) >= len(entry.partial_tokens):
-            # (an exported conversation keeps its consistent tokens-and-state pair)
-            entry.partial_tokens, entry.partial_logprobs = tokens, logprobs
+        if entry.partial_conversation is not None:
+            return True  # an exported conversation keeps its consistent tokens-and-state pair
+        if offset and (entry.partial_version != version or offset > len(entry.partial_tokens)):
+            self.counters.progress_gaps += 1
+            return True
+        if offset + len(tokens) >= len(entry.partial_tokens):
+            del entry.partial_tokens[offset:], entry.partial_logprobs[offset:]
+            entry.partial_tokens.extend(tokens)
+            entry.partial_logprobs.extend(logprobs)
             entry.partial_version = version
             entry.partial_kv = None
         return True
@@ -367,8 +381,8 @@ class TrajectoryLedger:
         if entry is None or entry.state != DISPATCHED or entry.worker != worker:
             self.counters.stale_reports += 1
             return False
-        entry.partial_tokens = tuple(task.resume_token_ids)
-        entry.partial_logprobs = tuple(task.resume_logprobs)
+        entry.partial_tokens = list(task.resume_token_ids)
+        entry.partial_logprobs = list(task.resume_logprobs)
         entry.partial_version = task.policy_version if task.resume_token_ids else -1
         entry.partial_conversation = task.conversation if task.resume_token_ids else None
         entry.partial_kv = task.kv if task.resume_token_ids else None
@@ -509,13 +523,13 @@ class TrajectoryLedger:
 
 def _with_resume(task: PromptTask, entry: Entry) -> PromptTask:
     kv, entry.partial_kv = entry.partial_kv, None  # one use: the destination holds it now
-    return msgspec.structs.replace(task, resume_token_ids=entry.partial_tokens,
-                                   resume_logprobs=entry.partial_logprobs,
+    return msgspec.structs.replace(task, resume_token_ids=tuple(entry.partial_tokens),
+                                   resume_logprobs=tuple(entry.partial_logprobs),
                                    policy_version=entry.partial_version,
                                    conversation=entry.partial_conversation, kv=kv)
 
 
 def _clear_partial(entry: Entry) -> None:
-    entry.partial_tokens, entry.partial_logprobs, entry.partial_version = (), (), -1
+    entry.partial_tokens, entry.partial_logprobs, entry.partial_version = [], [], -1
     entry.partial_conversation = None
     entry.partial_kv = None

@@ -303,8 +303,7 @@ class ManagerService(Service):
         if isinstance(msg, WorkerReport):
             self._handle_report(w, msg)
         elif isinstance(msg, PartialProgress):
-            self.ledger.record_partial(msg.trajectory_id, peer, msg.policy_version,
-                                       msg.token_ids, msg.logprobs)
+            self._record_progress(peer, msg)
         elif isinstance(msg, PromptTask):
             if self.ledger.requeue_exported(msg, peer):
                 migration = self._migrations.pop(msg.trajectory_id, None)
@@ -320,7 +319,13 @@ class ManagerService(Service):
         else:
             log.warning("ignoring %s from worker %s", type(msg).__name__, peer)
 
+    def _record_progress(self, peer: str, p: PartialProgress) -> None:
+        self.ledger.record_partial(p.trajectory_id, peer, p.policy_version, p.token_ids,
+                                   p.logprobs, p.offset)
+
     def _handle_report(self, w: WorkerState, msg: WorkerReport) -> None:
+        for p in msg.progress:
+            self._record_progress(w.worker_id, p)
         w.version = msg.policy_version
         w.capacity = msg.max_batch
         w.active, w.queued = msg.active, msg.queued
@@ -585,6 +590,9 @@ class ManagerService(Service):
                    st.recovery_seconds[-1] if st.recovery_seconds else 0.0),
             Metric("resumed_total", "counter", "trajectories resumed from partial tokens",
                    lc.resumed),
+            Metric("progress_gaps_total", "counter",
+                   "progress continuations that did not meet the tokens held (dropped)",
+                   lc.progress_gaps),
             Metric("kv_carried_total", "counter",
                    "migrated trajectories that brought their KV cache (sent on with them)",
                    lc.kv_carried),

@@ -147,6 +147,12 @@ class WorkerService(Service):
         self._last_resend_check = 0.0
         self._done_since_report: list[str] = []
         self._last_report = 0.0
+        # Progress the current manager holds: trajectory id -> tokens sent. Reports carry
+        # only what is new, and everything every ``FULL_PROGRESS_EVERY`` reports or when
+        # the manager (connection) changes.
+        self._progress_sent: dict[str, int] = {}
+        self._progress_to: Client | None = None
+        self._reports = 0
         self.counters: collections.Counter[str] = collections.Counter()
         self.weight_wait_s = 0.0
         self.busy_s = 0.0
@@ -226,6 +232,9 @@ class WorkerService(Service):
                    len(self._scoring)),
             Metric("exported_total", "counter", "trajectories handed back by repack",
                    c["exported"]),
+            Metric("progress_tokens_total", "counter",
+                   "partial-progress tokens sent to the manager (only new ones, and all of "
+                   f"them every {FULL_PROGRESS_EVERY} reports)", c["progress_tokens"]),
             Metric("kv_migrated_out_total", "counter",
                    "exported trajectories that took their KV cache along", c["kv_migrated_out"]),
             Metric("kv_migrated_in_total", "counter",
@@ -678,23 +687,64 @@ class WorkerService(Service):
         self._last_report = now
         load = self._last_load = self.engine.load()
         full = len(self.outbox) >= self.config.outbox_capacity
+        batched, extra = self._progress()
+        try:
+            self._send_report(load, full, batched, extra)
+        except TransportError:
+            self._progress_sent = {}  # what was lost is sent again, whole, next time
+            raise
+
+    def _send_report(self, load: Any, full: bool, batched: tuple[PartialProgress, ...],
+                     extra: list[PartialProgress]) -> None:
         self.manager.send(WorkerReport(
             worker_id=self.worker_id, policy_version=self.engine.weight_version,
             active=load.active, queued=load.queued + len(self._fresh),
             max_batch=0 if full else load.max_batch, kv_used_tokens=load.kv_used_tokens,
             kv_capacity_tokens=load.kv_capacity_tokens,
             holding=tuple(self._tasks) + tuple(self._scoring) + tuple(self._between_turns),
-            done=tuple(self._done_since_report),
+            done=tuple(self._done_since_report), progress=batched,
         ))
         self._done_since_report = []
+        for p in extra:
+            self.manager.send(p)
+
+    def _progress(self) -> tuple[tuple[PartialProgress, ...], list[PartialProgress]]:
+        """The unfinished trajectories' tokens the manager does not have yet: those that fit
+        one report frame (``_PROGRESS_TOKENS_PER_REPORT``) and the rest, one message each."""
+        if self._progress_to is not self.manager or self._reports % FULL_PROGRESS_EVERY == 0:
+            self._progress_sent = {}  # a new manager connection, or a periodic full report
+            self._progress_to = self.manager
+        self._reports += 1
+        sent, self._progress_sent = self._progress_sent, {}
+        batched: list[PartialProgress] = []
+        extra: list[PartialProgress] = []
+        budget = _PROGRESS_TOKENS_PER_REPORT
         for p in self.engine.progress():
             if self.conversations is not None and self.conversations.pinned(p.request_id):
                 continue  # tool results in it: it is generated again if this worker dies
-            self.manager.send(PartialProgress(
+            n = len(p.token_ids)
+            have = sent.get(p.request_id, 0)
+            if have > n:
+                have = 0
+            self._progress_sent[p.request_id] = n
+            if n == have:
+                continue
+            msg = PartialProgress(
                 trajectory_id=p.request_id, worker_id=self.worker_id,
-                policy_version=p.policy_version, token_ids=tuple(p.token_ids),
-                logprobs=tuple(p.logprobs),
-            ))
+                policy_version=p.policy_version, token_ids=tuple(p.token_ids[have:]),
+                logprobs=tuple(p.logprobs[have:]), offset=have)
+            budget -= n - have
+            (batched if budget >= 0 else extra).append(msg)
+            self.counters["progress_tokens"] += n - have
+        return tuple(batched), extra
+
+
+FULL_PROGRESS_EVERY = 100
+"""Every this many reports, progress carries every token: it mends what the manager
+missed (a frame lost with a dropped connection; the manager then still holds a shorter,
+valid prefix and counts a gap), at a cost amortised over the reports between."""
+_PROGRESS_TOKENS_PER_REPORT = 1 << 20
+"""Progress tokens batched into one report (~10 MB); more go as messages of their own."""
 
 
 def _without_resume(task: PromptTask) -> PromptTask:
