@@ -131,6 +131,23 @@ def test_logprobs_match_teacher_forced_forward(model, temperature):
         assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
 
 
+def test_a_group_of_one_prompt_is_prefilled_once_and_each_sample_keeps_its_log_probs(model):
+    engine = TorchEngine(model, max_batch=8, eos_token_ids=(), seed=5)
+    prompt, other = [3, 14, 15, 9, 2, 6], [27, 18]
+    group = [GenerationRequest(f"g#{i}", prompt, SamplingParams(temperature=1.0, max_tokens=12))
+             for i in range(5)]
+    lone = GenerationRequest("o#0", other, SamplingParams(temperature=1.0, max_tokens=12))
+    outs = {o.request_id: o for o in engine.run_until_done([*group, lone])}
+    assert engine.prefilled_tokens == len(prompt) + len(other)
+    assert engine.shared_prefill_tokens == 4 * len(prompt)
+    for req in (*group, lone):
+        out = outs[req.request_id]
+        ref = teacher_forced_logprobs(model, req.prompt_token_ids, out.token_ids, 1.0)
+        assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), ref, atol=1e-4)
+    # The samples draw on their own (not one sample copied five times).
+    assert len({tuple(outs[r.request_id].token_ids) for r in group}) > 1
+
+
 def test_top_k_one_equals_greedy(model):
     greedy = TorchEngine(model, max_batch=4, eos_token_ids=())
     topk = TorchEngine(model, max_batch=4, eos_token_ids=())

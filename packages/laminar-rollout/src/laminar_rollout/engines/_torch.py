@@ -34,8 +34,12 @@ Finished sequences free their slot within the step, so the next queued
 request starts in the same step. The engine never lets weights change under an
 unfinished request.
 
+Rows admitted together with identical inputs (a GRPO group's samples of one prompt)
+are prefilled once and their caches copied (``shared_prefill_tokens``).
+
 Limits: full-attention decoder models only (sliding-window layers are refused
-when the window is shorter than the context), no prefix sharing, and memory is
+when the window is shorter than the context), no prefix sharing beyond identical
+inputs admitted in one step, and memory is
 ``max_batch x longest sequence`` per layer. Written against transformers 5.x
 (``cache=`` keyword; ``past_key_values=`` is used when a model still takes it).
 """
@@ -253,6 +257,9 @@ class TorchEngine(GenerationEngine):
         self._kv_shape = _kv_geometry(config, next(model.parameters()).dtype)
         self.prefilled_tokens = 0
         self.kv_reused_tokens = 0
+        self.shared_prefill_tokens = 0
+        """Prompt tokens not computed because another row admitted with it had the same
+        input (a GRPO group's samples): its cache was copied instead."""
         self.compactions = 0
         """Sequences moved to a lower slot (one slot's cache copied each)."""
 
@@ -564,16 +571,21 @@ class TorchEngine(GenerationEngine):
     def _prefill(self, seqs: list[SequenceState]) -> None:
         dev = self._device
         inputs = [s.input_ids() for s in seqs]
-        n = torch.tensor([len(x) for x in inputs], device=dev)
+        # Identical inputs (a GRPO group's samples of one prompt) are run once: their
+        # rows share the forward's logits and cache, and each samples on its own.
+        unique: dict[tuple[int, ...], int] = {}
+        row_of = [unique.setdefault(tuple(x), len(unique)) for x in inputs]
+        distinct = list(unique)
+        n = torch.tensor([len(x) for x in distinct], device=dev)
         width = int(n.max())
-        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
-        for i, x in enumerate(inputs):
+        ids = torch.zeros((len(distinct), width), dtype=torch.long, device=dev)
+        for i, x in enumerate(distinct):
             ids[i, : len(x)] = torch.tensor(x, device=dev)
         cols = torch.arange(width, device=dev)
         mask = (cols[None, :] < n[:, None]).long()
-        positions = cols[None, :].expand(len(seqs), width)
+        positions = cols[None, :].expand(len(distinct), width)
         last = n - 1
-        rows = torch.arange(len(seqs), device=dev)
+        rows = torch.arange(len(distinct), device=dev)
         cache = DynamicCache()
         if self._keep_logits:
             keep = torch.unique(last)
@@ -581,7 +593,9 @@ class TorchEngine(GenerationEngine):
             logits = logits[rows, torch.searchsorted(keep, last)]
         else:
             logits = self._forward(ids, mask, positions, cache, None)[rows, last]
-        self.prefilled_tokens += sum(len(x) for x in inputs)
+        computed = sum(len(x) for x in distinct)
+        self.prefilled_tokens += computed
+        self.shared_prefill_tokens += sum(len(x) for x in inputs) - computed
         if not self._keys:
             pairs = [_layer_kv(cache, layer) for layer in range(_num_layers(cache))]
             self._allocate([k for k, _ in pairs], [v for _, v in pairs], width)
@@ -589,13 +603,14 @@ class TorchEngine(GenerationEngine):
         # One copy per layer for every admitted row: a row's padding past its own length
         # lands in its slot too, where the decode mask (columns <= len) never reads it.
         slots = torch.tensor([s.slot for s in seqs], device=dev)
+        source = torch.tensor(row_of, device=dev)
         for layer, (k_store, v_store) in enumerate(zip(self._keys, self._values)):
             keys, values = _layer_kv(cache, layer)
-            k_store[slots, :, :width] = keys[:, :, :width]
-            v_store[slots, :, :width] = values[:, :, :width]
+            k_store[slots, :, :width] = keys[source, :, :width]
+            v_store[slots, :, :width] = values[source, :, :width]
         for i, seq in enumerate(seqs):
             self._lens[seq.slot] = len(inputs[i])
-        self._sample(seqs, logits)
+        self._sample(seqs, logits[source] if len(distinct) < len(seqs) else logits)
 
     def _install_kv(self, seq: SequenceState) -> None:
         """Copy a request's cache into its slot, run the tokens it does not cover (all but
