@@ -62,14 +62,14 @@ def _prompts(tmp_path, n):
 
 
 def _worker(store, wid, max_batch=4, median=6, reward_fn=None, version=0, max_length=80,
-            step_s=0.0005, environment=None):
+            step_s=0.0005, environment=None, **config):
     engine = SimulatedEngine(max_batch=max_batch, step_time_base=step_s, step_time_per_seq=0.0,
                              prefill_time_per_token=0.0,
                              lengths=LogNormalLengths(median=median, tail_ratio=10,
                                                       max_length=max_length),
                              vocab_size=200, eos_token_id=0, seed=1, weight_version=version)
     cfg = WorkerConfig(job=JOB, worker_id=wid, engine={"type": "simulated"},
-                       report_interval_s=0.05, environment=environment)
+                       environment=environment, **{"report_interval_s": 0.05, **config})
     return WorkerService(cfg, engine, ByteTokenizer(),
                          fetch_weights=lambda v: FetchedVersion(v, None),
                          reward_fn=reward_fn or (lambda prompt, text, meta: 1.0),
@@ -713,3 +713,19 @@ def test_reports_carry_only_new_progress_and_the_manager_holds_every_token(stack
     # repeating every token so far.
     generated = sum(len(t.response_token_ids) for t in trainer.got)
     assert 0 < worker.counters["progress_tokens"] < 3 * generated, worker.counters
+
+
+def test_freed_slots_are_reported_at_once_so_the_manager_refills_them(stack):
+    store, trainer, start_manager, start_worker = stack
+    start_manager(n_prompts=20, group_size=2)
+    # Reports every 30 s: only the early reports of freed slots can bring new work.
+    start_worker("w1", max_batch=4, report_interval_s=30.0, refill_fraction=0.25)
+    assert _wait(lambda: len(trainer.got) >= 40, 15, trainer), len(trainer.got)
+
+
+def test_without_early_reports_freed_slots_wait_for_the_report_interval(stack):
+    store, trainer, start_manager, start_worker = stack
+    start_manager(n_prompts=20, group_size=2)
+    start_worker("w1", max_batch=4, report_interval_s=30.0, refill_fraction=0.0)
+    _wait(lambda: len(trainer.got) >= 40, 2, trainer)
+    assert len(trainer.got) == 4  # the first grant only

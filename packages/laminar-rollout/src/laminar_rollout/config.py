@@ -249,6 +249,11 @@ class WorkerConfig(HostConfig):
     is abandoned and replaced: a Python call cannot be interrupted)."""
     report_interval_s: float = Field(default=0.5, gt=0)
     """How often load reports and partial progress go to the manager."""
+    refill_fraction: float = Field(default=0.125, ge=0, le=1)
+    """Report at once (not waiting for ``report_interval_s``) when this fraction of the
+    slots has finished since the last report, or the engine ran out of work with
+    finished trajectories unreported, so the manager refills the slots without delay
+    (at most one early report per 10 ms). 0: report only every ``report_interval_s``."""
     outbox_capacity: int = Field(default=4096, ge=1)
     """Finished trajectories kept until the trainer's durable ack; full = take no prompts."""
     resend_after_s: float = Field(default=30.0, gt=0)

@@ -354,8 +354,19 @@ class WorkerService(Service):
                 self._mark("idle")
             self._next_turns()
             self._collect_rewards()
-            self._report()
+            self._report(force=self._refill_due())
             self._resend_overdue()
+
+    def _refill_due(self) -> bool:
+        """Whether enough slots freed up since the last report to report now (see
+        ``refill_fraction``)."""
+        done = len(self._done_since_report)
+        if not done or self.config.refill_fraction <= 0 or \
+                time.monotonic() - self._last_report < _MIN_EARLY_REPORT_S:
+            return False
+        if not self.engine.has_unfinished() and not self._fresh:
+            return True
+        return done >= max(1.0, self.config.refill_fraction * self._last_load.max_batch)
 
     def _mark(self, state: str) -> None:
         """Record a busy/idle/weights transition (for timelines; transitions only)."""
@@ -742,6 +753,8 @@ class WorkerService(Service):
         return tuple(batched), extra
 
 
+_MIN_EARLY_REPORT_S = 0.01
+"""Early reports (``refill_fraction``) come at most this often."""
 FULL_PROGRESS_EVERY = 100
 """Every this many reports, progress carries every token: it mends what the manager
 missed (a frame lost with a dropped connection; the manager then still holds a shorter,
