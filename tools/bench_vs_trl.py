@@ -373,6 +373,11 @@ def compare_settings(s: JobSettings, lam: dict, trls: list[dict]) -> tuple[list[
                            "Laminar only")
     if s.buffer["dynamic_sampling"]:
         differences.append("dynamic sampling (equal-reward groups dropped): Laminar only")
+    if s.optim.get("micro_batch_tokens"):
+        differences.append(f"micro-batches: Laminar runs each mini-batch in forward/backward "
+                           f"passes of about {s.optim['micro_batch_tokens']} padded tokens, "
+                           "groups sorted by length (the same gradient, less padding); TRL "
+                           "pads each mini-batch to its longest completion")
     if loss["aggregation"] == "seq-mean-token-sum-norm" and loss["norm_tokens"] not in (
             None, samp["max_tokens"]):
         differences.append(f"Dr. GRPO constant: Laminar {loss['norm_tokens']}, TRL "

@@ -95,6 +95,34 @@ def _grads(training) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in training.model.named_parameters()}
 
 
+def test_micro_batches_by_tokens_sort_by_length_and_keep_the_gradient(model_dir):
+    from laminar_trainer.step import _by_tokens, _longest
+
+    groups = _groups(0, n_groups=8)
+    # Each rank's share sorted by length, in as many micro-batches on every rank.
+    for world in (1, 2):
+        plans = [_by_tokens(groups, r, world, budget=40) for r in range(world)]
+        assert len({len(p) for p in plans}) == 1 and len(plans[0]) > 1
+        for r, plan in enumerate(plans):
+            flat = [g for part in plan for g in part]
+            assert sorted(flat, key=id) == sorted(groups[r::world], key=id)
+            assert [_longest(g) for g in flat] == sorted(_longest(g) for g in flat)
+    # The same gradient as the whole batch at once (the loss is normalised over it).
+    grads_cfg = {"model_dir": model_dir, "batch_groups": 8, "seed": 3,
+                 "optim": {"lr": 1e-2, "grad_clip": 1e9}}
+    torch.manual_seed(3)
+    whole = build_training(TrainerConfig(**grads_cfg), None)
+    train_step(whole.model, whole.optimizer, whole.scheduler, groups, TrainerConfig(**grads_cfg))
+    tok_cfg = TrainerConfig(**{**grads_cfg, "optim": {**grads_cfg["optim"],
+                                                      "micro_batch_tokens": 40}})
+    torch.manual_seed(3)
+    split = build_training(tok_cfg, None)
+    train_step(split.model, split.optimizer, split.scheduler, groups, tok_cfg)
+    for name, grad in _grads(whole).items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(_grads(split)[name], grad, atol=1e-5, rtol=0), name
+
+
 def test_two_ranks_make_the_same_update_as_one_process(model_dir, tmp_path):
     # Two PPO mini-batches (one group per rank each) and two epochs: four updates per
     # step, the later ones clipped against the proximal log-probs of the step's start.

@@ -199,6 +199,47 @@ def _micro_batches(groups: list[Group], size: int) -> list[list[Group]]:
     return [groups[i:i + size] for i in range(0, len(groups), size)]
 
 
+def _longest(group: Group) -> int:
+    return max(len(t.prompt_token_ids) + len(t.response_token_ids) for t in group.trajectories())
+
+
+def _padded(group: Group) -> int:
+    return len(group.trajectories()) * _longest(group)
+
+
+def _by_tokens(chunk: list[Group], rank: int, world: int, budget: int) -> list[list[Group]]:
+    """This rank's groups of ``chunk`` in micro-batches of about ``budget`` padded token
+    positions, sorted by length; as many micro-batches on every rank (FSDP's collectives
+    run once per forward/backward), split so each holds a similar padded size."""
+    ranks = [sorted(chunk[r::world], key=_longest) for r in range(world)]
+
+    def greedy_count(groups: list[Group]) -> int:
+        count, rows, width = 0, 0, 0
+        for g in groups:
+            n, w = len(g.trajectories()), _longest(g)
+            if rows and (rows + n) * max(width, w) > budget:
+                count, rows, width = count + 1, 0, 0
+            rows, width = rows + n, max(width, w)
+        return count + (rows > 0)
+
+    parts = max(1, min(max(greedy_count(g) for g in ranks), min(len(g) for g in ranks)))
+    mine = ranks[rank]
+    total = sum(_padded(g) for g in mine)
+    out: list[list[Group]] = []
+    current: list[Group] = []
+    acc = 0
+    for i, g in enumerate(mine):
+        current.append(g)
+        acc += _padded(g)
+        parts_left = parts - len(out) - 1
+        if parts_left > 0 and (acc * parts >= total * (len(out) + 1)
+                               or len(mine) - i - 1 == parts_left):
+            out.append(current)
+            current = []
+    out.append(current)
+    return out
+
+
 def _advantages(groups: list[Group], cfg) -> dict[str, float]:
     """Advantage of every trajectory of the step, by id (shaped rewards, group weights)."""
     trajs = [t for g in groups for t in g.trajectories()]
@@ -283,8 +324,10 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     plan = []
     for chunk in chunks:
         denominator, norm = _denominator(chunk, cfg)
-        micros = [_pack(part, advantages, cfg, device)
-                  for part in _micro_batches(chunk[rank::world], cfg.optim.micro_batch_groups)]
+        parts = _by_tokens(chunk, rank, world, cfg.optim.micro_batch_tokens) \
+            if cfg.optim.micro_batch_tokens > 0 else \
+            _micro_batches(chunk[rank::world], cfg.optim.micro_batch_groups)
+        micros = [_pack(part, advantages, cfg, device) for part in parts]
         plan.append((micros, denominator, norm))
     loss_cfg = cfg.loss
     updates = cfg.optim.mini_batches * cfg.optim.epochs
