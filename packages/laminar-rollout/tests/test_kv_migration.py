@@ -145,3 +145,19 @@ def test_a_cache_of_another_model_shape_is_refused_and_the_trajectory_re_prefill
     assert worker.counters["kv_refused"] == 1 and worker.counters["kv_migrated_in"] == 0
     assert engine.prefilled_tokens == len(prompt) + 6 and engine.kv_reused_tokens == 0
     assert out.token_ids[:6] == list(moved.resume_token_ids) and out.finish_reason == "length"
+
+
+def test_a_cache_over_the_limit_is_never_copied_and_the_trajectory_still_moves(model):
+    source = TorchEngine(model, max_batch=2, eos_token_ids=())
+    source.add_request(GenerationRequest("a", [7, 8, 9], SamplingParams(temperature=0,
+                                                                        max_tokens=20)))
+    source.add_request(GenerationRequest("b", [7, 8], SamplingParams(temperature=0,
+                                                                     max_tokens=20)))
+    for _ in range(4):
+        source.step()
+    # 2 layers x keys and values x 2 KV heads x 16 x 4 bytes = 512 bytes a position.
+    small, big = source.export_with_kv(["a", "b"], max_bytes=512 * 5)
+    assert small.request_id == "a" and small.kv is None  # 6 positions: over the limit
+    assert big.request_id == "b" and big.kv is not None and big.kv.num_tokens == 5
+    assert big.kv.keys[0].device.type == "cpu"
+    assert len(small.resume_token_ids) == 4 and small.policy_version == 0

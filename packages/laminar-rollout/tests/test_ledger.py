@@ -59,6 +59,11 @@ def test_progress_continuations_extend_the_tokens_and_gaps_are_counted_not_appli
     assert entry.partial_tokens == [5, 6, 7, 8, 9, 10]
     assert not led.record_partial("p0#0", "w2", 3, (11,), (-0.1,), offset=6)  # not its holder
     assert entry.partial_tokens == [5, 6, 7, 8, 9, 10]
+    # The worker restarted it at another version: its whole (shorter) report replaces
+    # the old tokens, and its continuations then apply.
+    led.record_partial("p0#0", "w1", 4, (20, 21), (-0.2, -0.2))
+    led.record_partial("p0#0", "w1", 4, (22,), (-0.3,), offset=2)
+    assert entry.partial_tokens == [20, 21, 22] and entry.partial_version == 4
 
 
 def test_lost_worker_resumes_partial_and_regenerates_unacked():

@@ -673,7 +673,8 @@ def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs
                               ref, atol=1e-4), tid
 
 
-def test_the_waiting_bound_stops_creation_while_finished_work_waits_and_resumes_on_acks(stack):
+def test_the_waiting_bound_stops_creation_while_finished_work_waits_and_resumes_as_trained(
+        stack):
     store, trainer, start_manager, start_worker = stack
     # One batch = 2 groups x 2 = 4 trajectories; no run-ahead bound, one batch may wait.
     manager = start_manager(n_prompts=60, group_size=2, batch_groups=2, max_staleness=None,
@@ -681,15 +682,22 @@ def test_the_waiting_bound_stops_creation_while_finished_work_waits_and_resumes_
     start_worker("w1", max_batch=4)
     start_worker("w2", max_batch=4)
     assert _wait(lambda: len(trainer.got) >= 4, 20, trainer)
-    trainer.pump(0.5)  # nothing acked: finished work piles up, then creation stops
+    trainer.pump(0.5)  # nothing trained: finished work piles up, then creation stops
     created = manager.ledger.created
     # At most: a batch waiting before the stop, plus the 8 slots and 8 pending (the
     # workers' capacity) created in the pass that saw fewer than a batch waiting.
     assert created <= 4 + 8 + 8 + 2, manager.summary()
     trainer.pump(0.5)
     assert manager.ledger.created == created, "creation went on while a batch waited"
-    trainer.ack([t.trajectory_id for t in trainer.got])
+    # The trainer consumes without acking (its acks wait for a checkpoint): its published
+    # versions say how many steps it took, and that is what frees the bound.
+    trainer.coord.publish_version(VersionRecord(version=1, trainer_step=1))
+    trainer.pump(0.3)
+    assert manager.ledger.created == created, "one step of 4 does not drain the backlog"
+    got = len({t.trajectory_id for t in trainer.got})
+    trainer.coord.publish_version(VersionRecord(version=2, trainer_step=-(-got // 4)))
     assert _wait(lambda: manager.ledger.created > created, 10, trainer), manager.summary()
+    assert manager.ledger.counts()["acked"] == 0
 
 
 def test_reports_carry_only_new_progress_and_the_manager_holds_every_token(stack):

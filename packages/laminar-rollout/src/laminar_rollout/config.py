@@ -336,8 +336,9 @@ class ManagerConfig(ListenConfig):
     """laminar mode: create no new group while this many batches (batch_groups x
     group_size trajectories) of finished trajectories wait for the trainer. It bounds
     over-production without idling slots: staleness is then a trajectory's own
-    generation time in trainer steps plus at most this many steps of waiting.
-    null: off."""
+    generation time in trainer steps plus at most this many steps of waiting. What the
+    trainer consumed is read from its published versions (their trainer step), so with
+    a trainer that publishes every k steps set it to k or more. null: off."""
     max_prompts: int | None = Field(default=None, ge=1)
     """Stop dispatching after this many prompts (default: the whole file, once)."""
     epochs: int = Field(default=1, ge=1)

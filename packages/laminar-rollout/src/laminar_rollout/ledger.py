@@ -282,7 +282,9 @@ class TrajectoryLedger:
         if offset and (entry.partial_version != version or offset > len(entry.partial_tokens)):
             self.counters.progress_gaps += 1
             return True
-        if offset + len(tokens) >= len(entry.partial_tokens):
+        if offset + len(tokens) >= len(entry.partial_tokens) or \
+                (not offset and version != entry.partial_version):
+            # (a whole report at another version: the worker restarted it there)
             del entry.partial_tokens[offset:], entry.partial_logprobs[offset:]
             entry.partial_tokens.extend(tokens)
             entry.partial_logprobs.extend(logprobs)

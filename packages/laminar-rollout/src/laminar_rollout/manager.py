@@ -55,7 +55,7 @@ from laminar_common.transport import (
 )
 
 from .config import ManagerConfig
-from .ledger import DONE, PENDING, TrajectoryLedger
+from .ledger import ACKED, DONE, PENDING, TrajectoryLedger
 from .prompts import PromptCursor, check_resume, load_prompt_file
 from .repack import KvLifecycle, WorkerLoad, plan_repack
 from .scheduling import Admission, WorkerView, plan_barrier, plan_dispatch, required_version
@@ -130,6 +130,9 @@ class ManagerService(Service):
         self.sampling = SamplingSpec(**config.sampling.model_dump())
         self.workers: dict[str, WorkerState] = {}
         self.latest = 0
+        self._trainer_step = 0
+        """The trainer's step at its latest published version (what ``max_waiting`` counts
+        as consumed)."""
         self.batch = -1
         if resume:
             self._restore()
@@ -203,6 +206,7 @@ class ManagerService(Service):
         latest = self.coordinator.latest_version()
         if latest is not None:
             self.latest = latest.version
+            self._trainer_step = _trainer_step(latest)
         extra = {Extra.ACK: ack_address, Extra.MODE: self.config.mode, Extra.READY: "1"}
         if self.config.metrics.port is not None:
             self.metrics = MetricsServer(Role.MANAGER, self.config.job, self.config.manager_id,
@@ -270,6 +274,7 @@ class ManagerService(Service):
                 assert isinstance(payload, VersionRecord)
                 if payload.version > self.latest:
                     self.latest = payload.version
+                    self._trainer_step = max(self._trainer_step, _trainer_step(payload))
                     self._maybe_repack(force=True)
             elif kind == "member":
                 assert isinstance(payload, MembershipEvent)
@@ -318,6 +323,17 @@ class ManagerService(Service):
                     log.warning("trajectory %s rejected by %s: %s", tid, peer, msg.reason)
         else:
             log.warning("ignoring %s from worker %s", type(msg).__name__, peer)
+
+    def _waiting(self) -> int:
+        """Finished trajectories the trainer has not consumed: every one that finished
+        (acked or not: acks wait for the trainer's checkpoint) less the trainer's steps
+        times the batch and the groups it dropped, as of its latest published version."""
+        led, cfg = self.ledger, self.config
+        finished = led.counters.by_state[DONE] + led.counters.by_state[ACKED] + \
+            led.compacted_states[ACKED]
+        consumed = (self._trainer_step * cfg.batch_groups + led.filtered_groups) * \
+            cfg.group_size
+        return max(0, finished - consumed)
 
     def _record_progress(self, peer: str, p: PartialProgress) -> None:
         self.ledger.record_partial(p.trajectory_id, peer, p.policy_version, p.token_ids,
@@ -486,7 +502,7 @@ class ManagerService(Service):
                 admission=Admission(cfg.batch_groups, cfg.group_size, cfg.max_staleness,
                                     cfg.max_waiting),
                 filtered_groups=self.ledger.filtered_groups,
-                waiting=self.ledger.counters.by_state[DONE],
+                waiting=self._waiting(),
                 can_create=not self.cursor.exhausted())
             for _ in range(plan.new_groups):
                 if self.cursor.exhausted():
@@ -688,3 +704,8 @@ class ManagerService(Service):
         with open(tmp, "w") as fh:
             json.dump(data, fh)
         os.replace(tmp, path)
+
+
+def _trainer_step(record: VersionRecord) -> int:
+    """The trainer step a published version came from (its version when not given)."""
+    return record.trainer_step if record.trainer_step >= 0 else record.version

@@ -529,7 +529,9 @@ class WorkerService(Service):
             self.manager.send(codec.GenerationRejected(trajectory_ids=(task.trajectory_id,),
                                       reason=str(exc)))
             return
-        self._tasks[task.trajectory_id] = task
+        # (the engine holds the cache now: the task need not keep a copy)
+        self._tasks[task.trajectory_id] = msgspec.structs.replace(task, kv=None) \
+            if task.kv is not None else task
 
     def _finish(self, out: GenerationOutput) -> None:
         """Generation is over: hand the completion to the reward pool (off the decode loop),
@@ -624,7 +626,8 @@ class WorkerService(Service):
         # turns on the destination, so it re-prefills).
         with_kv = self.config.kv_transfer_max_mb > 0 and self.engine.supports_kv_transfer \
             and self.conversations is None
-        for req in (self.engine.export_with_kv(wanted) if with_kv
+        limit = int(self.config.kv_transfer_max_mb * 2**20)
+        for req in (self.engine.export_with_kv(wanted, max_bytes=limit) if with_kv
                     else self.engine.export(wanted)):
             task = self._tasks.pop(req.request_id)
             conversation = self.conversations.export_state(req.request_id, replayable=True) \
@@ -640,11 +643,14 @@ class WorkerService(Service):
         self._report(force=True)
 
     def _kv_out(self, req: GenerationRequest) -> codec.KvCache | None:
-        """The exported request's cache for the wire, if it has one that may travel."""
-        if req.kv is None or not req.resume_token_ids:
+        """The exported request's cache for the wire, if it has one that may travel (the
+        engine left out any over ``kv_transfer_max_mb``)."""
+        if req.kv is None:
+            if req.resume_token_ids and self.engine.supports_kv_transfer and \
+                    self.conversations is None and self.config.kv_transfer_max_mb > 0:
+                self.counters["kv_too_large"] += 1
             return None
-        if req.kv.nbytes > self.config.kv_transfer_max_mb * 2**20:
-            self.counters["kv_too_large"] += 1
+        if not req.resume_token_ids:
             return None
         blob = kv_to_wire(req.kv)
         self.counters["kv_migrated_out"] += 1

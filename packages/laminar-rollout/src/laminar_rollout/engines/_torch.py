@@ -358,23 +358,27 @@ class TorchEngine(GenerationEngine):
                         f"{where} {name}[{layer}] is {tuple(t.shape)} {t.dtype}; this engine "
                         f"caches [{heads}, {kv.num_tokens}, {head_dim}] {dtype}")
 
-    def export_with_kv(self, request_ids: Iterable[str] | None = None
-                       ) -> list[GenerationRequest]:
-        """``export`` with the cache of every decoding request attached (copies)."""
+    def export_with_kv(self, request_ids: Iterable[str] | None = None,
+                       max_bytes: int | None = None) -> list[GenerationRequest]:
+        """``export`` with the cache of every decoding request attached (host copies, one
+        sequence at a time; a cache over ``max_bytes`` is not copied at all)."""
         if request_ids is not None and not isinstance(request_ids, str):
             request_ids = list(request_ids)
         slots = {s.request_id: s.slot for s in self._table.active()}
         lens = list(self._lens)
         seqs = self._table.take(request_ids)
+        layers, heads, head_dim, dtype = self._kv_shape
+        per_token = 2 * layers * heads * head_dim * dtype.itemsize
         out = []
         for seq in seqs:
             slot = slots.get(seq.request_id)
             kv = None
-            if slot is not None and seq.token_ids:
-                n = lens[slot]
+            n = lens[slot] if slot is not None else 0
+            if slot is not None and seq.token_ids and \
+                    (max_bytes is None or n * per_token <= max_bytes):
                 kv = KVState("torch", n,
-                             tuple(k[slot, :, :n].clone() for k in self._keys),
-                             tuple(v[slot, :, :n].clone() for v in self._values))
+                             tuple(k[slot, :, :n].to("cpu", copy=True) for k in self._keys),
+                             tuple(v[slot, :, :n].to("cpu", copy=True) for v in self._values))
             out.append(SequenceTable.resumable(seq, self._version, kv))
         return out
 

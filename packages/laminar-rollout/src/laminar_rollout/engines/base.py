@@ -330,9 +330,10 @@ class GenerationEngine(abc.ABC):
     supports_kv_transfer: bool = False
     """Whether ``export_with_kv`` attaches caches and ``add_request`` takes them."""
 
-    def export_with_kv(self, request_ids: Iterable[str] | None = None
-                       ) -> list[GenerationRequest]:
-        """``export``, with each decoding request's attention cache in ``request.kv``.
+    def export_with_kv(self, request_ids: Iterable[str] | None = None,
+                       max_bytes: int | None = None) -> list[GenerationRequest]:
+        """``export``, with each decoding request's attention cache in ``request.kv``
+        (on the host; a cache larger than ``max_bytes`` is left out, never copied).
 
         The hook for moving KV instead of re-prefilling on the destination.
         Engines without KV transfer (this default) return plain ``export``
