@@ -376,13 +376,16 @@ def test_delta_versions_rebuild_bit_exact_for_every_kind_of_reader(cluster):
         assert bytes(got.buffer) == _flat(6)
 
         # A relay restarted at the same id is offered the newest full version and its delta.
-        c.procs["d2"].kill()
-        c.wait_chain(["d0", "d1"])
-        c.start("d2")
+        # (Not the master: a new master would hold no base, and version 7 below must go
+        # as a delta; whichever relay won the election holds the master role.)
+        victim = next(n for n in reversed(names) if n != sent[6].master_id)
+        c.procs[victim].kill()
+        c.wait_chain([n for n in names if n != victim])
+        c.start(victim)
         c.wait_chain(names)
-        c.wait_version(6, ["d2"])
-        assert 5 in c.client.health("d2").versions
-        with reader("after-restart").fetch(relay="d2") as got:
+        c.wait_version(6, [victim])
+        assert 5 in c.client.health(victim).versions
+        with reader("after-restart").fetch(relay=victim) as got:
             assert bytes(got.buffer) == _flat(6)
 
         # A delta taken against the wrong base (the publisher's copy of version 6 holds
@@ -390,6 +393,7 @@ def test_delta_versions_rebuild_bit_exact_for_every_kind_of_reader(cluster):
         # every reader: the rebuilt bytes fail the full version's checksums.
         pub._delta_base.flat[:] = _flat(7)
         sent[7] = pub.publish(7, _model(7))
+        assert sent[7].master_id == sent[6].master_id
         assert sent[7].manifest.base_version == 6
         c.wait_version(7, names)
         with pytest.raises(LaminarError, match=r"delta version 7 over base 6 does not rebuild"):
