@@ -81,15 +81,14 @@ class Admission:
              waiting: int = 0) -> int | None:
         """Trajectories that may still be created (None: unbounded); ``waiting``:
         finished trajectories the trainer has not consumed yet."""
-        room = None
         if self.max_waiting is not None and \
                 waiting >= self.max_waiting * self.batch_groups * self.group_size:
-            room = 0
-        if self.max_staleness is not None:
-            allowed = ((latest + 1 + self.max_staleness) * self.batch_groups
-                       + filtered_groups) * self.group_size
-            room = max(0, allowed - created) if room is None else 0
-        return room
+            return 0
+        if self.max_staleness is None:
+            return None
+        allowed = ((latest + 1 + self.max_staleness) * self.batch_groups
+                   + filtered_groups) * self.group_size
+        return max(0, allowed - created)
 
 
 def water_fill(workers: list[WorkerView], budget: int) -> dict[str, int]:

@@ -637,20 +637,17 @@ class WorkerService(Service):
                 resume_token_ids=tuple(req.resume_token_ids),
                 resume_logprobs=tuple(req.resume_logprobs),
                 policy_version=req.policy_version if req.policy_version is not None else -1,
-                conversation=conversation, kv=self._kv_out(req),
+                conversation=conversation, kv=self._kv_out(req) if with_kv else None,
             ))
             self.counters["exported"] += 1
         self._report(force=True)
 
     def _kv_out(self, req: GenerationRequest) -> codec.KvCache | None:
-        """The exported request's cache for the wire, if it has one that may travel (the
-        engine left out any over ``kv_transfer_max_mb``)."""
+        """The cache ``export_with_kv`` attached, for the wire (it left out any over
+        ``kv_transfer_max_mb``; a request with no tokens generated has none)."""
         if req.kv is None:
-            if req.resume_token_ids and self.engine.supports_kv_transfer and \
-                    self.conversations is None and self.config.kv_transfer_max_mb > 0:
+            if req.resume_token_ids:
                 self.counters["kv_too_large"] += 1
-            return None
-        if not req.resume_token_ids:
             return None
         blob = kv_to_wire(req.kv)
         self.counters["kv_migrated_out"] += 1

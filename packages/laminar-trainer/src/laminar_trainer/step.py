@@ -203,20 +203,17 @@ def _longest(group: Group) -> int:
     return max(len(t.prompt_token_ids) + len(t.response_token_ids) for t in group.trajectories())
 
 
-def _padded(group: Group) -> int:
-    return len(group.trajectories()) * _longest(group)
-
-
 def _by_tokens(chunk: list[Group], rank: int, world: int, budget: int) -> list[list[Group]]:
     """This rank's groups of ``chunk`` in micro-batches of about ``budget`` padded token
     positions, sorted by length; as many micro-batches on every rank (FSDP's collectives
     run once per forward/backward), split so each holds a similar padded size."""
-    ranks = [sorted(chunk[r::world], key=_longest) for r in range(world)]
+    shape = {id(g): (len(g.trajectories()), _longest(g)) for g in chunk}  # rows, longest
+    ranks = [sorted(chunk[r::world], key=lambda g: shape[id(g)][1]) for r in range(world)]
 
     def greedy_count(groups: list[Group]) -> int:
         count, rows, width = 0, 0, 0
         for g in groups:
-            n, w = len(g.trajectories()), _longest(g)
+            n, w = shape[id(g)]
             if rows and (rows + n) * max(width, w) > budget:
                 count, rows, width = count + 1, 0, 0
             rows, width = rows + n, max(width, w)
@@ -224,13 +221,14 @@ def _by_tokens(chunk: list[Group], rank: int, world: int, budget: int) -> list[l
 
     parts = max(1, min(max(greedy_count(g) for g in ranks), min(len(g) for g in ranks)))
     mine = ranks[rank]
-    total = sum(_padded(g) for g in mine)
+    padded = [shape[id(g)][0] * shape[id(g)][1] for g in mine]
+    total = sum(padded)
     out: list[list[Group]] = []
     current: list[Group] = []
     acc = 0
     for i, g in enumerate(mine):
         current.append(g)
-        acc += _padded(g)
+        acc += padded[i]
         parts_left = parts - len(out) - 1
         if parts_left > 0 and (acc * parts >= total * (len(out) + 1)
                                or len(mine) - i - 1 == parts_left):

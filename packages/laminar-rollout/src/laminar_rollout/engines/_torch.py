@@ -376,11 +376,15 @@ class TorchEngine(GenerationEngine):
             n = lens[slot] if slot is not None else 0
             if slot is not None and seq.token_ids and \
                     (max_bytes is None or n * per_token <= max_bytes):
-                kv = KVState("torch", n,
-                             tuple(k[slot, :, :n].to("cpu", copy=True) for k in self._keys),
-                             tuple(v[slot, :, :n].to("cpu", copy=True) for v in self._values))
+                kv = self._slot_cache(slot, n, "cpu")
             out.append(SequenceTable.resumable(seq, self._version, kv))
         return out
+
+    def _slot_cache(self, slot: int, n: int, device: Any) -> KVState:
+        """A copy (on ``device``) of the first ``n`` positions of ``slot``'s cache."""
+        return KVState("torch", n,
+                       tuple(k[slot, :, :n].to(device, copy=True) for k in self._keys),
+                       tuple(v[slot, :, :n].to(device, copy=True) for v in self._values))
 
     def has_unfinished(self) -> bool:
         return len(self._table) > 0
@@ -501,10 +505,8 @@ class TorchEngine(GenerationEngine):
             if reason is not None:
                 out = SequenceTable.output(seq, reason, self._version, simulated=False)
                 if seq.request.keep_kv:
-                    n = self._lens[seq.slot]  # every token but the last (never fed)
-                    out.kv = KVState("torch", n,
-                                     tuple(k[seq.slot, :, :n].clone() for k in self._keys),
-                                     tuple(v[seq.slot, :, :n].clone() for v in self._values))
+                    # every token but the last (never fed), kept on the device
+                    out.kv = self._slot_cache(seq.slot, self._lens[seq.slot], self._device)
                 self._table.release(seq)
                 done.append(out)
         return done
