@@ -314,7 +314,8 @@ def test_service_tracks_rows_eval_and_summary_and_counts_tracker_errors(tmp_path
     monkeypatch.setattr(service_module, "make_trackers", fake_make_trackers)
     cfg = TrainerConfig(job="unit", trainer_id="trainer", model_dir=str(model_dir),
                         run_dir=str(tmp_path / "run"), batch_groups=2, total_steps=2,
-                        eval={"prompts": str(tmp_path / "eval.jsonl"), "max_new_tokens": 4},
+                        eval={"prompts": str(tmp_path / "eval.jsonl"), "max_new_tokens": 4,
+                              "every_steps": 1},
                         etcd={"password": "hunter2"})
     svc = _run_service(cfg, "abcd")
 
@@ -323,9 +324,13 @@ def test_service_tracks_rows_eval_and_summary_and_counts_tracker_errors(tmp_path
     assert made["run_config"]["etcd"]["password"] == "***", "secrets never reach a tracker"
     steps = [step for step, _ in ok.rows]
     assert steps == [0, 1, 2, 2, 2]  # eval before, two rows, eval after, summary
-    eval_keys = {"eval_accuracy", "eval_mean_length", "eval_truncated", "eval_reward_errors"}
+    eval_keys = {"eval_accuracy", "eval_mean_length", "eval_truncated", "eval_reward_errors",
+                 "eval_seconds"}
     assert set(ok.rows[0][1]) == eval_keys and ok.rows[0][1]["eval_accuracy"] == svc.eval_before
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # every_steps 1: step 1 is evaluated in the loop; the last step's weights once, after it.
+    assert eval_keys <= set(rows[0]) and rows[0]["eval_seconds"] > 0
+    assert not eval_keys & set(rows[1])
     for (_, tracked), row in zip(ok.rows[1:3], rows):
         assert tracked["loss"] == row["loss"] and tracked["reward_mean"] == row["reward_mean"]
         assert tracked["simulated"] == 0.0 and "step" not in tracked and "time" not in tracked

@@ -588,8 +588,9 @@ class TrainerService(Service):
 
     def _maybe_evaluate(self, metrics: dict) -> None:
         cfg = self.config
+        # The last step's weights are evaluated once, after the loop (eval_after).
         if cfg.eval.prompts and cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 \
-                and self.model is not None:
+                and self.step < cfg.total_steps and self.model is not None:
             self._evaluate()
             metrics.update(self.eval_last)
 
@@ -818,8 +819,9 @@ class TrainerService(Service):
         records = self._eval_records
         if self.dist is not None:
             self.dist.send_eval(records, self.config.eval.max_new_tokens)
+        t0 = time.monotonic()
         result = evaluate_records(self.training, records, self.config)
-        self.eval_last = result.metrics()
+        self.eval_last = {**result.metrics(), "eval_seconds": time.monotonic() - t0}
         return result.accuracy
 
     def _save_final(self) -> Path | None:
