@@ -8,7 +8,7 @@ Both launchers import it; it imports neither.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -93,6 +93,11 @@ class JobFile(LaminarModel):
     """Stop everything after this long."""
     report: str | None = None
     """A trainer run_dir to summarize and plot when the run ends (laminar report)."""
+    layout: Literal["auto", "manual"] = "auto"
+    """``auto``: the local launcher fills in what the job leaves unset of its CPU tiers'
+    processes and threads (trainer ``threads``; torch-engine workers' ``replicas``,
+    ``engine.threads``, ``engine.max_batch``) for the cores it may use
+    (:mod:`laminar_common.launch.layout`); ``manual``: only what the job file says."""
 
 
 def fill_placeholders(value: Any, subs: dict[str, str]) -> Any:

@@ -73,6 +73,7 @@ from laminar_common.errors import ConfigError, LaminarError
 from laminar_common.launch import preflight
 from laminar_common.launch.hosts import check_auth, is_laminar_tier, spanning_reasons
 from laminar_common.launch.jobfile import JobFile, TierSpec, fill_placeholders
+from laminar_common.launch.layout import apply_layout, usable_cores
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.launch.processes import ChildProcess, tier_env
 from laminar_common.launch.readiness import wait_ready
@@ -93,6 +94,8 @@ class LocalLauncher:
     """Runs a :class:`JobFile` as local subprocesses."""
 
     def __init__(self, job: JobFile, echo: bool = True, job_file: str | None = None) -> None:
+        self.cores = usable_cores()
+        job, self.layout, self._layout_said = apply_layout(job, self.cores)
         self.job = job
         self.job_file = job_file
         self.run_dir = Path(fill_placeholders(job.run_dir, {"job": job.job}))
@@ -338,6 +341,10 @@ class LocalLauncher:
                           self.job.etcd.embedded and not self.job.etcd.endpoints)
         self._say(f"launch {self.launch.launch_id} in {self.run_dir} "
                   f"(logs in {self.run_dir / 'logs'})")
+        if self.layout is not None:
+            how = "measured" if self.layout.measured else "extrapolated, not measured"
+            self._say(f"layout auto for {self.cores} core(s) ({how}; laminar_common.launch."
+                      f"layout): {'; '.join(self._layout_said)}")
         self.run_setup()
         self.recheck_configs(deferred)
         self.start_etcd()
@@ -498,7 +505,7 @@ class LocalLauncher:
         if not cpu:
             return
         wall_s = stopped_at - min(c.started_at for _, c in self.tier_children)
-        cores = os.cpu_count() or 1
+        cores = self.cores
         self._say(f"CPU time over {wall_s:.0f} s on {cores} cores: " + ", ".join(
             f"{name} {secs:.1f} s" for name, secs in sorted(cpu.items(), key=lambda x: -x[1]))
             + f"; total {sum(cpu.values()):.1f} s ({sum(cpu.values()) / max(wall_s, 1e-9) / cores:.0%}"
