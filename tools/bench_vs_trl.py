@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,7 @@ class JobSettings:
     trainer_threads: int
     seed: int
     trainer_run_dir: str
+    manager_state_dir: str
 
 
 def _tier(job, command: tuple[str, ...], what: str):
@@ -148,7 +150,7 @@ def read_job_settings(path: str, overrides: list[str]) -> JobSettings:
         buffer=BufferConfig(**trainer.get("buffer", {})).model_dump(),
         dtype=trainer_field("dtype"), publish_dtype=trainer_field("publish_dtype"),
         trainer_threads=trainer_field("threads"), seed=trainer_field("seed"),
-        trainer_run_dir=trainer_field("run_dir"))
+        trainer_run_dir=trainer_field("run_dir"), manager_state_dir=manager.state_dir or "")
 
 
 def laminar_lr_per_step(s: JobSettings) -> list[float]:
@@ -237,7 +239,9 @@ def run_laminar(s: JobSettings, overrides: list[str], log_path: Path) -> dict:
         "steps": len(rows), "window_s": window_s, "tokens": tokens,
         "tokens_per_s": tokens / window_s, "wall_s": wall_s, "setup_s": setup_s,
         "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
-        "evals": [{"step": r["step"], "accuracy": r["eval_accuracy"]}
+        # "t": from the window's start to the evaluated weights (the eval's own time out).
+        "evals": [{"step": r["step"], "accuracy": r["eval_accuracy"],
+                   "t": r["time"] - start - r.get("eval_seconds", 0.0)}
                   for r in rows if r.get("eval_accuracy") is not None],
         "reward_first": first["reward_mean"], "reward_last": rows[-1]["reward_mean"],
         "rewards": [r["reward_mean"] for r in rows], "staleness_hist": summary["staleness_hist"],
@@ -270,6 +274,33 @@ def run_trl(trl_python: Path, spec: dict, work: Path) -> dict:
     result = json.loads(out_path.read_text())
     result["process_wall_s"] = time.monotonic() - t0
     return result
+
+
+def time_to(run: dict, target: float) -> float | None:
+    """Seconds into ``run``'s window until its held-out accuracy first reached ``target``:
+    the evals inside the window, then the final weights at the window's end; None if
+    never (the accuracy before training counts at 0 s)."""
+    points = [(0.0, run["eval_before"])]
+    points += [(e["t"], e["accuracy"]) for e in run.get("evals", []) if "t" in e]
+    points.append((run["window_s"], run["eval_after"]))
+    return next((t for t, acc in sorted(points) if acc >= target - 1e-9), None)
+
+
+def reuse_setup(first_run_dir: Path, run_dir: Path, s: JobSettings) -> None:
+    """Copy the first Laminar run's set-up outputs (model, prompt files) into ``run_dir``
+    so the job's set-up finds them and leaves them: every run starts from the same model.
+    The launcher's and the tiers' own state (trainer, checkpoints, manager, logs, etcd)
+    is not copied."""
+    skip = {Path(p).resolve() for p in (s.trainer_run_dir, s.checkpoint["dir"] or "",
+                                        s.manager_state_dir) if p}
+    own = {"logs", "configs", "etcd", "launch.json", "launch.lock"}
+
+    def ignore(directory: str, names: list[str]) -> list[str]:
+        here = Path(directory)
+        return [n for n in names if (here == first_run_dir and n in own)
+                or (run_dir / (here / n).relative_to(first_run_dir)).resolve() in skip]
+
+    shutil.copytree(first_run_dir, run_dir, ignore=ignore, dirs_exist_ok=True)
 
 
 def compare_settings(s: JobSettings, lam: dict, trls: list[dict]) -> tuple[list[str], list[str]]:
@@ -392,19 +423,23 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values)
 
 
-def report(s: JobSettings, lam: dict, trls: list[dict], matched: list[str],
+def report(s: JobSettings, lams: list[dict], trls: list[dict], matched: list[str],
            differences: list[str]) -> dict:
     trl = {key: _mean([t[key] for t in trls]) for key in (
         "window_s", "tokens", "tokens_per_s", "eval_before", "eval_after", "process_wall_s",
         "generate_s", "reward_first", "reward_last")}
+    lam = {key: _mean([r[key] for r in lams]) for key in (
+        "window_s", "tokens", "tokens_per_s", "eval_before", "eval_after", "wall_s", "setup_s",
+        "reward_first", "reward_last", "train_compute_s", "trainer_idle_fraction")}
     lam_wall_no_setup = lam["wall_s"] - lam["setup_s"]
     ratios = {"tokens_per_s": lam["tokens_per_s"] / trl["tokens_per_s"],
               "window_s": lam["window_s"] / trl["window_s"],
               "wall_s_without_setup": lam_wall_no_setup / trl["process_wall_s"]}
     seeds = f" (mean of {len(trls)} seeds)" if len(trls) > 1 else ""
+    runs = f" (mean of {len(lams)} runs)" if len(lams) > 1 else ""
     print(f"\n{Path(s.job_file).name}: {s.total_steps} steps of {s.batch_groups} x "
           f"{s.group_size}, {s.optim['mini_batches']} update(s) a step; "
-          f"TRL {trls[0]['versions']['trl']}{seeds}")
+          f"Laminar{runs}, TRL {trls[0]['versions']['trl']}{seeds}")
     print(f"{'':34}{'Laminar':>12}{'TRL':>12}{'Laminar/TRL':>13}")
 
     def line(label: str, a: float, b: float, fmt: str, ratio: float | None = None) -> None:
@@ -429,19 +464,33 @@ def report(s: JobSettings, lam: dict, trls: list[dict], matched: list[str],
           f"the rest ({trl['window_s'] - trl['generate_s']:.1f}s); Laminar trainer steps "
           f"{lam['train_compute_s']:.1f}s of its window (beside generation), idle "
           f"{100 * lam['trainer_idle_fraction']:.0f}% of its run")
+    for i, r in enumerate(lams if len(lams) > 1 else []):
+        print(f"  Laminar run {i + 1}: window {r['window_s']:.1f}s, {r['tokens_per_s']:.1f} "
+              f"tokens/s, held-out {r['eval_before']:.3f} -> {r['eval_after']:.3f}")
     if len(trls) > 1:
         for t in trls:
             print(f"  TRL seed {t['seed']}: window {t['window_s']:.1f}s, "
                   f"{t['tokens_per_s']:.1f} tokens/s, held-out {t['eval_before']:.3f} -> "
                   f"{t['eval_after']:.3f}")
+    target = trl["eval_after"]
+
+    def reached(runs: list[dict]) -> str:
+        return ", ".join("not reached" if (t := time_to(r, target)) is None else f"{t:.1f}s"
+                         for r in runs)
+    to_target = {"target": target, "laminar": [time_to(r, target) for r in lams],
+                 "trl": [time_to(t, target) for t in trls]}
+    print(f"time to TRL's final held-out accuracy ({target:.3f}{', the seeds mean' if seeds else ''}"
+          f"; evals every {s.eval['every_steps'] or '-'} steps and the final weights): "
+          f"Laminar {reached(lams)}; TRL {reached(trls)}")
     print("\nMatched:")
     for item in matched:
         print(f"  - {item}")
     print("Differences left:")
     for item in differences:
         print(f"  - {item}")
-    return {"job": asdict(s), "laminar": lam, "trl_runs": trls, "trl_mean": trl,
-            "ratios_laminar_over_trl": ratios, "matched": matched, "differences": differences}
+    return {"job": asdict(s), "laminar_runs": lams, "laminar_mean": lam, "trl_runs": trls,
+            "trl_mean": trl, "ratios_laminar_over_trl": ratios, "time_to_trl_final": to_target,
+            "matched": matched, "differences": differences}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", default=str(ROOT / "examples" / "demo.yaml"),
                    help="laminar up job file (torch engine, eval.prompts set)")
     p.add_argument("--seeds", type=int, default=1, help="TRL runs, seeds 0..N-1")
+    p.add_argument("--laminar-runs", type=int, default=1,
+                   help="Laminar runs of the job (the later ones reuse the first's set-up)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                    help="job-file override for both sides (repeatable), e.g. "
                         "tiers.trainer.config.total_steps=5")
@@ -460,8 +511,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where both runs write (default: a new temp dir, kept)")
     p.add_argument("--out", default=None, help="write every figure as JSON here")
     args = p.parse_args(argv)
-    if args.seeds < 1:
-        p.error("--seeds must be >= 1")
+    if args.seeds < 1 or args.laminar_runs < 1:
+        p.error("--seeds and --laminar-runs must be >= 1")
     trl_python = Path(args.trl_python)
     if not trl_python.is_file():
         p.error(f"no TRL environment at {trl_python}: run tools/trl_env.sh first")
@@ -473,13 +524,19 @@ def main(argv: list[str] | None = None) -> int:
     trl_loss_settings(settings)  # fail before the runs on a loss TRL cannot express
     print(f"work dir: {work}", flush=True)
 
-    lam = run_laminar(settings, overrides, work / "laminar-up.log")
+    lams = [run_laminar(settings, overrides, work / "laminar-up.log")]
+    first_run_dir = Path(settings.run_dir).resolve()
+    for i in range(2, args.laminar_runs + 1):
+        run_overrides = [*args.overrides, f"run_dir={work / f'laminar-{i}'}"]
+        run_settings = read_job_settings(args.job, run_overrides)
+        reuse_setup(first_run_dir, Path(run_settings.run_dir).resolve(), run_settings)
+        lams.append(run_laminar(run_settings, run_overrides, work / f"laminar-up-{i}.log"))
     trls = []
     for seed in range(args.seeds):
         spec = trl_spec(settings, seed, work / f"trl-seed{seed}", args.trl_threads)
         trls.append(run_trl(trl_python, spec, work))
-    matched, differences = compare_settings(settings, lam, trls)
-    result = report(settings, lam, trls, matched, differences)
+    matched, differences = compare_settings(settings, lams[0], trls)
+    result = report(settings, lams, trls, matched, differences)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"\nwrote {args.out}")
