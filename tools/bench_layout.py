@@ -114,6 +114,7 @@ def main() -> int:
                    if tuple(s.command[:2]) == ("laminar-rollout", "manage"))
     samples = manager.config["batch_groups"] * manager.config["group_size"]
     run_dir = str(Path(args.work_dir or tempfile.mkdtemp(prefix="bench_layout-")).resolve())
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
     print(f"job {args.job}, run dir {run_dir}; real torch engine and trainer steps")
     results = []
     for cores in cores_list:

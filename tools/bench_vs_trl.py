@@ -98,6 +98,7 @@ def read_job_settings(path: str, overrides: list[str]) -> JobSettings:
     both sides run with; defaults are the configs' own."""
     from laminar_common.data.records import DataConfig
     from laminar_common.launch.jobfile import fill_placeholders, load_job
+    from laminar_common.launch.layout import apply_layout, usable_cores
     from laminar_rollout.config import ManagerConfig, TorchEngineConfig, WorkerConfig
     from laminar_trainer.config import (
         BufferConfig,
@@ -109,6 +110,7 @@ def read_job_settings(path: str, overrides: list[str]) -> JobSettings:
     )
 
     job = load_job(path, overrides)
+    job, _, _ = apply_layout(job, usable_cores())  # what laminar up will run here
     path = str(Path(path).resolve())
     run_dir = fill_placeholders(job.run_dir, {"job": job.job})
     subs = {"run_dir": run_dir, "job": job.job, "name": "worker"}
@@ -383,8 +385,12 @@ def compare_settings(s: JobSettings, lam: dict, trls: list[dict]) -> tuple[list[
         f"arrive (completion order, prompts dispatched in "
         f"{'shuffled' if s.data['shuffle'] else 'file'} order); TRL's takes the next "
         f"{s.batch_groups} prompts of the file (shuffle_dataset=False)",
-        "mini-batches: Laminar splits the step's groups in order, whole groups each; TRL "
-        "shuffles the step's completions before splitting" if m > 1 else
+        ("mini-batches: Laminar shuffles the step's groups (optim.shuffle) and splits them, "
+         "whole groups each; TRL shuffles the step's completions before splitting"
+         if s.optim.get("shuffle", True) else
+         "mini-batches: Laminar splits the step's groups in arrival order (optim.shuffle "
+         "off), whole groups each; TRL shuffles the step's completions before splitting")
+        if m > 1 else
         "mini-batches: one update a step on both sides",
         "advantage epsilon: Laminar divides by std + 1e-6, TRL by std + 1e-4",
         "in-training evals: Laminar's trainer evaluates while the workers keep generating "

@@ -19,7 +19,13 @@ import torch
 from laminar_common.codec import SamplingSpec, Trajectory
 from laminar_trainer.buffer import Group
 from laminar_trainer.config import TrainerConfig
-from laminar_trainer.step import make_optimizer, overlong_penalty, train_step, trajectory_metrics
+from laminar_trainer.step import (
+    _shuffled,
+    make_optimizer,
+    overlong_penalty,
+    train_step,
+    trajectory_metrics,
+)
 
 V = 5
 
@@ -96,23 +102,29 @@ def _expected_ppo_grad(weights, start, groups, cfg, n_tokens: int) -> torch.Tens
     return grad
 
 
-@pytest.mark.parametrize(("lr", "clip_fires"), [(1.0, True), (0.02, False)])
-def test_mini_batched_decoupled_ppo_matches_the_hand_gradient_at_every_update(lr, clip_fires):
+@pytest.mark.parametrize(("lr", "clip_fires", "shuffle"),
+                         [(1.0, True, False), (0.02, False, False), (0.02, False, True)])
+def test_mini_batched_decoupled_ppo_matches_the_hand_gradient_at_every_update(
+        lr, clip_fires, shuffle):
     model = Bigram()
     start = model.table.detach().clone()
     groups = [_group("a", 0, [(1, 1.0), (2, 0.0)], start),
               _group("b", 3, [(1, 0.0), (4, 1.0)], start)]
-    cfg = _cfg(optim={"lr": lr, "mini_batches": 2, "epochs": 2})
+    # shuffled: a seed whose draw puts b first, so the order is the shuffle's
+    seed = next(s for s in range(100) if _shuffled(groups, s)[0] is groups[1])
+    cfg = _cfg(seed=seed, optim={"lr": lr, "mini_batches": 2, "epochs": 2, "shuffle": shuffle})
     opt, sched = make_optimizer(model, cfg.optim, 10)
     seen = _record_grads(opt, model.table)
     result = train_step(model, opt, sched, groups, cfg)
     assert len(seen) == 4 and result.stats["updates"] == 4.0
-    order = [groups[0], groups[1], groups[0], groups[1]]  # mini-batches a, b; two epochs
+    first = [groups[1], groups[0]] if shuffle else groups
+    order = first * 2  # the two mini-batches in their order; two epochs
     for k, ((weights, grad), group) in enumerate(zip(seen, order)):
         expected = _expected_ppo_grad(weights, start, [group], cfg, n_tokens=2)
         assert torch.allclose(grad.double(), expected, atol=1e-6), k
     # The first pass over each mini-batch sees ratio 1 at its rows: a real gradient.
-    assert seen[0][1][0].abs().sum() > 0 and seen[1][1][3].abs().sum() > 0
+    if not shuffle:
+        assert seen[0][1][0].abs().sum() > 0 and seen[1][1][3].abs().sum() > 0
     if clip_fires:
         # lr 1 moved rows 0 and 3 far past 1 +- clip: every token of the second epoch
         # is clipped, and its gradient is exactly zero.
@@ -123,11 +135,25 @@ def test_mini_batched_decoupled_ppo_matches_the_hand_gradient_at_every_update(lr
         assert result.stats["proximal_kl"] > 0.1
     else:
         assert result.stats["clip_fraction"] == 0.0
-        assert seen[2][1][0].abs().sum() > 0
+        assert seen[2][1][3 if shuffle else 0].abs().sum() > 0  # the first mini-batch's row
         assert 0 < result.stats["proximal_kl"] < 0.01
     assert result.stats["is_weight_mean"] == pytest.approx(math.exp(0.3), rel=1e-5)
     # k3 of KL(mu || pi_prox) with log(pi_prox / mu) = 0.3 on every token
     assert result.stats["behaviour_kl"] == pytest.approx(math.exp(0.3) - 1 - 0.3, rel=1e-4)
+
+
+def test_the_step_s_groups_are_shuffled_alike_on_every_rank_and_anew_each_step():
+    table = Bigram().table.detach()
+    groups = [_group(n, 0, [(1, 1.0), (2, 0.0)], table) for n in "abcdefgh"]
+    ids = [g.prompt_id for g in groups]
+
+    def order(gs, seed):
+        return [g.prompt_id for g in _shuffled(gs, seed)]
+    assert order(groups, 7) == order(list(groups), 7)  # a function of seed and groups only
+    assert sorted(order(groups, 7)) == ids and order(groups, 7) != ids
+    assert order(groups, 8) != order(groups, 7)
+    other_step = [_group(n, 0, [(1, 1.0), (2, 0.0)], table) for n in "abcdefgi"]
+    assert order(other_step, 7) != [x.replace("h", "i") for x in order(groups, 7)]
 
 
 def test_one_update_per_step_keeps_the_ratio_at_one():

@@ -140,6 +140,12 @@ class OptimConfig(LaminarModel):
     epochs: int = Field(default=1, ge=1)
     """Passes over the step's mini-batches (PPO epochs): ``mini_batches x epochs``
     optimizer updates per trainer step."""
+    shuffle: bool = True
+    """Shuffle the step's groups (whole groups) before splitting them into mini-batches,
+    seeded by ``seed`` and the groups' prompt ids (the same order on every rank). Groups
+    arrive in completion order, short answers first, so unshuffled mini-batches are
+    sorted by length and each update sees one length bucket. No effect with one
+    mini-batch."""
     micro_batch_groups: int = Field(default=0, ge=0)
     """Groups per forward/backward on each rank (gradient accumulation inside a
     mini-batch); 0 = the rank's whole mini-batch at once. The loss is normalised over the

@@ -49,6 +49,7 @@ the gradient norm and the non-finite guard are float32 in both modes.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from dataclasses import dataclass, field
 
@@ -193,6 +194,15 @@ def _chunks(groups: list[Group], n: int) -> list[list[Group]]:
     return [groups[i * size:(i + 1) * size] for i in range(n)]
 
 
+def _shuffled(groups: list[Group], seed: int) -> list[Group]:
+    """``groups`` in an order drawn from ``seed`` and their prompt ids: the same on every
+    rank (each gets the same list), another for every step's groups."""
+    if len(groups) < 2:
+        return list(groups)
+    rng = random.Random(f"{seed}:" + "|".join(g.prompt_id for g in groups))
+    return rng.sample(groups, len(groups))
+
+
 def _micro_batches(groups: list[Group], size: int) -> list[list[Group]]:
     if size <= 0:
         return [groups]
@@ -318,7 +328,8 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     trajs_all = [t for g in groups for t in g.trajectories()]
     advantages = _advantages(groups, cfg)
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
-    chunks = _chunks(groups, cfg.optim.mini_batches)
+    chunks = _chunks(_shuffled(groups, cfg.seed) if cfg.optim.shuffle else groups,
+                     cfg.optim.mini_batches)
     plan = []
     for chunk in chunks:
         denominator, norm = _denominator(chunk, cfg)
