@@ -78,11 +78,20 @@ def make_job(mode: str, root: Path, args: argparse.Namespace) -> JobFile:
                                    "simulate": {"step_s": args.step_s,
                                                 "weight_bytes": int(args.weight_mb * 2**20)},
                                    "batch_groups": args.batch_groups,
+                                   **_trainer_buffer(args),
                                    "total_steps": args.steps, "run_dir": str(run / "trainer")}},
         },
         "wait_for": "trainer",
         "timeout_s": args.timeout,
     })
+
+
+def _trainer_buffer(args: argparse.Namespace) -> dict:
+    """``--drop-staler-than N``: the trainer's buffer drops groups staler than N."""
+    if args.drop_staler_than is None:
+        return {}
+    return {"buffer": {"policy": "staleness", "max_staleness": args.drop_staler_than,
+                       "stale_action": "drop"}}
 
 
 def _environment(args: argparse.Namespace) -> dict:
@@ -122,6 +131,7 @@ def collect(mode: str, root: Path, args) -> dict:
         "stale_p50": percentile(hist, 0.5), "stale_p99": percentile(hist, 0.99),
         "stale_max": max(hist) if hist else 0, "trainer_idle": summary["trainer_idle_fraction"],
         "weight_wait": statistics.fmean(w["weight_wait_s"] for w in workers) if workers else 0,
+        "dropped_stale": summary.get("buffer", {}).get("dropped_stale", 0),
         "workers": workers, "window": (t0, t1),
     }
 
@@ -164,6 +174,9 @@ def main() -> int:
     p.add_argument("--max-waiting", type=int, default=None,
                    help="laminar mode: no new group while this many batches of finished "
                         "trajectories wait for the trainer (ManagerConfig.max_waiting)")
+    p.add_argument("--drop-staler-than", type=int, default=None, metavar="N",
+                   help="the trainer drops groups staler than N (buffer.policy staleness, "
+                        "stale_action drop); the dropped count is printed")
     p.add_argument("--no-repack", action="store_true", help="turn dynamic repack off")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     p.add_argument("--out", default="runs/bench_modes", help="output directory")
@@ -195,11 +208,12 @@ def main() -> int:
         results.append(collect(mode, root, args))
         print(f"  {mode}: done in {time.monotonic() - t:.0f}s", flush=True)
     print(f"\n{'mode':<10} {'tokens/s':>9} {'busy':>6} {'stale p50/p99/max':>18} "
-          f"{'trainer idle':>12} {'weight wait/rollout':>20}")
+          f"{'trainer idle':>12} {'weight wait/rollout':>20} {'stale groups dropped':>21}")
     for r in results:
         print(f"{r['mode']:<10} {r['tokens_per_s']:>9.1f} {r['busy']:>6.2f} "
               f"{r['stale_p50']:>8}/{r['stale_p99']}/{r['stale_max']:<6} "
-              f"{r['trainer_idle']:>12.2f} {r['weight_wait']:>18.3f} s")
+              f"{r['trainer_idle']:>12.2f} {r['weight_wait']:>18.3f} s "
+              f"{r['dropped_stale']:>21}")
     by = {r["mode"]: r for r in results}
     if "laminar" in by:
         for other in ("sync", "one-step"):
