@@ -105,3 +105,9 @@ def test_usable_cores_follows_the_cpu_affinity():
          "from laminar_common.launch.layout import usable_cores; print(usable_cores())"],
         capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
+
+
+def test_the_ray_launcher_does_not_lay_out():
+    from laminar_common.launch.ray_backend import RayLauncher
+
+    assert LocalLauncher.lays_out and not RayLauncher.lays_out

@@ -93,9 +93,13 @@ _UNSTARTED_ETCD = "127.0.0.1:2379"
 class LocalLauncher:
     """Runs a :class:`JobFile` as local subprocesses."""
 
+    lays_out = True
+    """Whether ``layout: auto`` applies (this machine's cores run every tier)."""
+
     def __init__(self, job: JobFile, echo: bool = True, job_file: str | None = None) -> None:
         self.cores = usable_cores()
-        job, self.layout, self._layout_said = apply_layout(job, self.cores)
+        job, self.layout, self._layout_said = apply_layout(job, self.cores) \
+            if self.lays_out else (job, None, [])
         self.job = job
         self.job_file = job_file
         self.run_dir = Path(fill_placeholders(job.run_dir, {"job": job.job}))

@@ -143,6 +143,9 @@ def _actor_class(ray):
 class RayLauncher(LocalLauncher):
     """Runs a :class:`JobFile` on a Ray cluster (``address``) or a local Ray."""
 
+    lays_out = False
+    """A cluster's nodes, not this machine's cores, run the tiers: no ``layout: auto``."""
+
     def __init__(self, job: JobFile, address: str | None = None, num_cpus: int | None = None,
                  echo: bool = True, job_file: str | None = None) -> None:
         super().__init__(job, echo, job_file)
