@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -74,7 +75,8 @@ def run_one(job_path: str, job, run_dir: str, cores: int, layout: tuple[int, int
             f"tiers.{worker_tier}.replicas={workers}",
             f"tiers.{worker_tier}.config.engine.threads={worker_threads}",
             f"tiers.{worker_tier}.config.engine.max_batch={-(-samples // workers)}"]
-    argv = ["taskset", "-c", f"0-{cores - 1}", sys.executable, "-m",
+    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:cores])
+    argv = ["taskset", "-c", cpus, sys.executable, "-m",
             "laminar_common.launch.cli", "up", job_path]
     for s in sets:
         argv += ["--set", s]
@@ -106,7 +108,7 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write every figure as JSON here")
     args = p.parse_args()
     cores_list = [int(c) for c in args.cores.split(",")]
-    available = len(__import__("os").sched_getaffinity(0))
+    available = len(os.sched_getaffinity(0))
     if max(cores_list) > available:
         p.error(f"--cores {max(cores_list)} > the {available} this process may use")
     job = load_job(args.job)

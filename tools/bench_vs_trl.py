@@ -241,9 +241,9 @@ def run_laminar(s: JobSettings, overrides: list[str], log_path: Path) -> dict:
         "steps": len(rows), "window_s": window_s, "tokens": tokens,
         "tokens_per_s": tokens / window_s, "wall_s": wall_s, "setup_s": setup_s,
         "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
-        # "t": from the window's start to the evaluated weights (the eval's own time out).
-        "evals": [{"step": r["step"], "accuracy": r["eval_accuracy"],
-                   "t": r["time"] - start - r.get("eval_seconds", 0.0)}
+        # "t": from the window's start to the evaluated weights (the row is stamped before
+        # the step's eval; earlier evals count, as on TRL's side).
+        "evals": [{"step": r["step"], "accuracy": r["eval_accuracy"], "t": r["time"] - start}
                   for r in rows if r.get("eval_accuracy") is not None],
         "reward_first": first["reward_mean"], "reward_last": rows[-1]["reward_mean"],
         "rewards": [r["reward_mean"] for r in rows], "staleness_hist": summary["staleness_hist"],

@@ -166,8 +166,8 @@ def run(spec: dict) -> dict:
             if (every and state.global_step % updates_per_step == 0 and step % every == 0
                     and step < spec["total_steps"]):
                 t = time.monotonic()
-                # "t": seconds from the window's start to the evaluated weights (the
-                # eval's own time left out), as Laminar's side counts it.
+                # "t": seconds from the window's start to the evaluated weights (before
+                # this eval; earlier evals count), as Laminar's side counts it.
                 evals.append({"step": step, "accuracy": held_out(model),
                               "seconds": time.monotonic() - t, "t": t - timing["begin"]})
                 print(f"TRL eval at step {step}: {evals[-1]['accuracy']:.3f}", flush=True)

@@ -111,3 +111,15 @@ def test_the_ray_launcher_does_not_lay_out():
     from laminar_common.launch.ray_backend import RayLauncher
 
     assert LocalLauncher.lays_out and not RayLauncher.lays_out
+
+
+def test_replicas_only_where_each_gets_its_own_id():
+    job = _job(Path("/tmp"), worker_spec={"id_field": None})
+    out, _, said = apply_layout(job, 16)
+    assert out.tiers["worker"].replicas == 1  # copies would share one worker id
+    assert out.tiers["worker"].config["engine"]["max_batch"] == 256
+    assert not any("replica" in line for line in said)
+    one_per_node = _job(Path("/tmp"), worker_spec={"replicas": -1})
+    out, _, _ = apply_layout(one_per_node, 16)
+    assert out.tiers["worker"].replicas == -1
+    assert out.tiers["worker"].config["engine"]["max_batch"] == 256  # -1 is one here

@@ -328,8 +328,8 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     trajs_all = [t for g in groups for t in g.trajectories()]
     advantages = _advantages(groups, cfg)
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
-    chunks = _chunks(_shuffled(groups, cfg.seed) if cfg.optim.shuffle else groups,
-                     cfg.optim.mini_batches)
+    shuffle = cfg.optim.shuffle and cfg.optim.mini_batches > 1
+    chunks = _chunks(_shuffled(groups, cfg.seed) if shuffle else groups, cfg.optim.mini_batches)
     plan = []
     for chunk in chunks:
         denominator, norm = _denominator(chunk, cfg)

@@ -7,9 +7,11 @@ leaves unset, and only for tiers that run on the CPU:
 - a trainer tier (``laminar-trainer run``, no ``simulate``, one rank, no GPU
   resources, ``device`` not cuda): ``threads``;
 - a rollout-worker tier (``laminar-rollout serve``) whose engine is ``torch`` on the
-  CPU: ``replicas`` (when the tier does not give it), the engine's ``threads``, and its
-  ``max_batch`` (a step's samples spread over the workers, so one step's groups
-  decode at once and a short answer's slot is refilled while the tail decodes).
+  CPU: ``replicas`` (when the tier does not give it and has an ``id_field``, so each
+  replica gets its own worker id), the engine's ``threads``, and its ``max_batch`` (a
+  step's samples spread over the workers, when the manager's config gives
+  ``batch_groups`` and ``group_size``, so one step's groups decode at once and a short
+  answer's slot is refilled while the tail decodes).
 
 The rule, and where each part comes from (``tools/bench_layout.py`` measures it):
 
@@ -122,8 +124,10 @@ def apply_layout(job: JobFile, cores: int) -> tuple[JobFile, Layout | None, list
             said.append(f"{name}: threads {layout.trainer_threads}")
         elif _torch_cpu_worker(spec):
             engine = dict(config["engine"])
-            replicas = spec.replicas
-            if "replicas" not in spec.model_fields_set:
+            replicas = 1 if spec.replicas == -1 else spec.replicas  # -1: one here
+            # Replicas only where each gets its own id (id_field): copies of one worker id
+            # would share its member key, socket identity and engine seed.
+            if "replicas" not in spec.model_fields_set and spec.id_field:
                 replicas = update["replicas"] = layout.workers
                 said.append(f"{name}: {replicas} replica(s)")
             if "threads" not in engine:
