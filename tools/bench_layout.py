@@ -30,7 +30,14 @@ import time
 from pathlib import Path
 
 from laminar_common.launch.jobfile import fill_placeholders, load_job
-from laminar_common.launch.layout import TRAINER, WORKER, choose_layout, tier_command
+from laminar_common.launch.layout import (
+    MANAGER,
+    TRAINER,
+    WORKER,
+    choose_layout,
+    step_samples,
+    tier_command,
+)
 
 _CPU = re.compile(r"CPU time over .*?: (.*); total")
 
@@ -58,7 +65,7 @@ def _state_dirs(job, run_dir: str) -> list[Path]:
         cfg = fill_placeholders(dict(spec.config), subs)
         if tier_command(spec) == TRAINER:
             out += [Path(cfg.get("run_dir", "")), Path(cfg.get("checkpoint", {}).get("dir", ""))]
-        elif tuple(spec.command[:2]) == ("laminar-rollout", "manage"):
+        elif tier_command(spec) == MANAGER:
             out.append(Path(cfg.get("state_dir", "")))
     return [p for p in out if str(p) not in ("", ".")]
 
@@ -112,9 +119,9 @@ def main() -> int:
     if max(cores_list) > available:
         p.error(f"--cores {max(cores_list)} > the {available} this process may use")
     job = load_job(args.job)
-    manager = next(s for s in job.tiers.values()
-                   if tuple(s.command[:2]) == ("laminar-rollout", "manage"))
-    samples = manager.config["batch_groups"] * manager.config["group_size"]
+    samples = step_samples(job)
+    if samples is None:
+        p.error(f"{args.job}: the manager's config does not give batch_groups and group_size")
     run_dir = str(Path(args.work_dir or tempfile.mkdtemp(prefix="bench_layout-")).resolve())
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     print(f"job {args.job}, run dir {run_dir}; real torch engine and trainer steps")

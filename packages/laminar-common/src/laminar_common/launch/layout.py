@@ -37,7 +37,8 @@ from typing import Any
 
 from laminar_common.launch.jobfile import JobFile, TierSpec
 
-__all__ = ["Layout", "usable_cores", "choose_layout", "apply_layout", "tier_command"]
+__all__ = ["Layout", "usable_cores", "choose_layout", "apply_layout", "tier_command",
+           "step_samples"]
 
 TRAINER = ("laminar-trainer", "run")
 WORKER = ("laminar-rollout", "serve")
@@ -96,7 +97,7 @@ def _torch_cpu_worker(spec: TierSpec) -> bool:
             and not str(engine.get("device", "cpu")).startswith("cuda"))
 
 
-def _step_samples(job: JobFile) -> int | None:
+def step_samples(job: JobFile) -> int | None:
     """A step's samples (the manager's batch_groups x group_size), when the job says."""
     for spec in job.tiers.values():
         if tier_command(spec) == MANAGER:
@@ -115,7 +116,7 @@ def apply_layout(job: JobFile, cores: int) -> tuple[JobFile, Layout | None, list
     layout = choose_layout(cores)
     tiers: dict[str, TierSpec] = {}
     said: list[str] = []
-    samples = _step_samples(job)
+    samples = step_samples(job)
     for name, spec in job.tiers.items():
         config: dict[str, Any] = dict(spec.config)
         update: dict[str, Any] = {}
