@@ -92,8 +92,9 @@ class ManagerStats:
     """Time spent planning repacks and sending the export commands."""
     migrations_placed: int = 0
     migration_seconds: float = 0.0
-    """Summed over migrated trajectories: export command sent -> dispatched to its
-    destination (``migrations_placed`` of them)."""
+    """Summed over migrated trajectories: export command sent -> dispatched again (to
+    the planned destination, or to another worker at its version when that one could
+    not take it; ``migrations_placed`` of them)."""
     pulls_commanded: int = 0
     lease_expired_kept: int = 0
     """Workers whose lease expired while they kept talking (etcd paused): kept."""
@@ -311,12 +312,13 @@ class ManagerService(Service):
             self._record_progress(peer, msg)
         elif isinstance(msg, PromptTask):
             if self.ledger.requeue_exported(msg, peer):
-                migration = self._migrations.pop(msg.trajectory_id, None)
+                migration = self._migrations.get(msg.trajectory_id)
                 if migration is not None:
-                    dest, t_export = migration
-                    if self._place(msg.trajectory_id, dest):
-                        self.stats.migrations_placed += 1
-                        self.stats.migration_seconds += time.monotonic() - t_export
+                    # To the planned destination; if it cannot take it now (pulling,
+                    # gone, full), it waits as resumable for any worker at its version.
+                    self._place(msg.trajectory_id, migration[0])
+            else:
+                self._migrations.pop(msg.trajectory_id, None)
         elif isinstance(msg, codec.GenerationRejected):
             for tid in msg.trajectory_ids:
                 if self.ledger.mark_rejected(tid, peer, msg.reason):
@@ -436,6 +438,8 @@ class ManagerService(Service):
         if forget:
             self.server.forget(worker_id)
         resumable, again = self.ledger.worker_lost(worker_id)
+        for tid in resumable + again:  # lost with the source: not a migration any more
+            self._migrations.pop(tid, None)
         self.ledger.restart_unresumable({w.version for w in self.workers.values()})
         self.stats.workers_lost += 1
         last_seen = w.last_seen if w is not None else time.monotonic()
@@ -474,6 +478,10 @@ class ManagerService(Service):
             return False
         w.kv.refill()
         self.stats.dispatched += 1
+        migration = self._migrations.pop(tid, None)
+        if migration is not None:
+            self.stats.migrations_placed += 1
+            self.stats.migration_seconds += time.monotonic() - migration[1]
         return True
 
     def _place_resumables(self, views: list[WorkerView]) -> None:
