@@ -21,7 +21,7 @@ from conftest import laminar_up, run_to_end
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_GAIN = 0.10
-STEPS = 20
+STEPS = 12  # the suite's time: +33.6 points after 20 steps, train reward 0.54 at step 11
 
 
 def test_math_job_runs_a_verl_parquet_unchanged_and_raises_held_out_accuracy(tmp_path):

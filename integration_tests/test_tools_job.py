@@ -1,6 +1,8 @@
 """Issue 16 acceptance: ``examples/tools.yaml`` end to end, multi-turn RL with a real sandbox.
 
-The job file as shipped (run dir moved, 20 RL steps instead of 30): the warm start,
+The job file as shipped but for its run dir and 12 RL steps instead of 30 (the suite's
+time; the held-out gain was +79 points after 20 steps and the train reward 0.74 at step
+11). A 300-step warm start instead of 600 taught no tool call at all, so it is kept. The warm start,
 then ``laminar up`` with a relay, the manager, a torch-engine worker whose
 trajectories call the ``python`` tool (bubblewrap sandbox) and the trainer, which
 trains on the model's turns only. Asserted: tool calls are made and the sandbox's
@@ -21,7 +23,7 @@ import yaml
 from conftest import consumed_ids, laminar_up, run_to_end
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 20
+STEPS = 12
 MIN_GAIN = 0.40
 
 

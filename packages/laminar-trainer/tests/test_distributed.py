@@ -96,17 +96,33 @@ def _grads(training) -> dict[str, torch.Tensor]:
 
 
 def test_micro_batches_by_tokens_sort_by_length_and_keep_the_gradient(model_dir):
-    from laminar_trainer.step import _by_tokens, _longest
+    from laminar_trainer.step import _by_tokens, _length
 
     groups = _groups(0, n_groups=8)
-    # Each rank's share sorted by length, in as many micro-batches on every rank.
+    everyone = sorted(t.trajectory_id for g in groups for t in g.trajectories())
+    # Each rank's share sorted by length, in as many micro-batches on every rank, split by
+    # trajectory (a group's samples can land in different micro-batches and ranks).
     for world in (1, 2):
         plans = [_by_tokens(groups, r, world, budget=40) for r in range(world)]
         assert len({len(p) for p in plans}) == 1 and len(plans[0]) > 1
-        for r, plan in enumerate(plans):
-            flat = [g for part in plan for g in part]
-            assert sorted(flat, key=id) == sorted(groups[r::world], key=id)
-            assert [_longest(g) for g in flat] == sorted(_longest(g) for g in flat)
+        assert sorted(t.trajectory_id for p in plans for part in p for t in part) == everyone
+        for plan in plans:
+            flat = [t for part in plan for t in part]
+            assert [_length(t) for t in flat] == sorted(_length(t) for t in flat)
+            assert all(part for part in plan)
+    # Rows padded to their own micro-batch's longest: within the budget, but for one row.
+    for part in _by_tokens(groups, 0, 1, budget=40):
+        assert len(part) == 1 or len(part) * max(_length(t) for t in part) <= 40
+    # A group with one long sample: its seven short siblings are not padded to it.
+    def traj(i: int, n: int) -> Trajectory:
+        return Trajectory(trajectory_id=f"g#{i}", prompt_id="g", group_size=8, sample_index=i,
+                          worker_id="w", policy_version=0, prompt_token_ids=(1, 10, 11, 12),
+                          response_token_ids=(5,) * n, behaviour_logprobs=(-1.0,) * n,
+                          reward=float(i == 0), finish_reason="stop")
+
+    tail = Group("g", 8, {i: traj(i, 12 if i == 0 else 1) for i in range(8)})
+    plan = _by_tokens([tail], 0, 1, budget=40)
+    assert [[t.sample_index for t in part] for part in plan] == [[1, 2, 3, 4, 5, 6, 7], [0]]
     # The same gradient as the whole batch at once (the loss is normalised over it).
     grads_cfg = {"model_dir": model_dir, "batch_groups": 8, "seed": 3,
                  "optim": {"lr": 1e-2, "grad_clip": 1e9}}

@@ -151,11 +151,11 @@ class OptimConfig(LaminarModel):
     mini-batch); 0 = the rank's whole mini-batch at once. The loss is normalised over the
     whole mini-batch, so any split gives the same gradient."""
     micro_batch_tokens: int = Field(default=0, ge=0)
-    """Instead of ``micro_batch_groups``: split each rank's mini-batch by padded size, at
-    most about this many token positions (rows x the longest row) per forward/backward,
-    with the groups sorted by length so short answers are not padded to the long tail's
-    length (as verl's dynamic batch size). Every rank runs the same number of
-    micro-batches. Same gradient as any other split; 0: off."""
+    """Instead of ``micro_batch_groups``: split each mini-batch by padded size, at most
+    about this many token positions (rows x the longest row) per forward/backward, with
+    the trajectories (not whole groups) sorted by length so short answers are not padded
+    to the long tail's length (as verl's dynamic batch size). Every rank runs the same
+    number of micro-batches. Same gradient as any other split; 0: off."""
 
 
 class CheckpointConfig(LaminarModel):

@@ -209,43 +209,51 @@ def _micro_batches(groups: list[Group], size: int) -> list[list[Group]]:
     return [groups[i:i + size] for i in range(0, len(groups), size)]
 
 
+def _length(traj: Trajectory) -> int:
+    return len(traj.prompt_token_ids) + len(traj.response_token_ids)
+
+
 def _longest(group: Group) -> int:
-    return max(len(t.prompt_token_ids) + len(t.response_token_ids) for t in group.trajectories())
+    return max(_length(t) for t in group.trajectories())
 
 
-def _by_tokens(chunk: list[Group], rank: int, world: int, budget: int) -> list[list[Group]]:
-    """This rank's groups of ``chunk`` in micro-batches of about ``budget`` padded token
-    positions, sorted by length; as many micro-batches on every rank (FSDP's collectives
-    run once per forward/backward), split so each holds a similar padded size."""
-    shape = {id(g): (len(g.trajectories()), _longest(g)) for g in chunk}  # rows, longest
-    ranks = [sorted(chunk[r::world], key=lambda g: shape[id(g)][1]) for r in range(world)]
+def _by_tokens(chunk: list[Group], rank: int, world: int, budget: int) -> list[list[Trajectory]]:
+    """This rank's trajectories of ``chunk`` in micro-batches of about ``budget`` padded
+    token positions, sorted by length (each padded to its last row), and as many
+    micro-batches on every rank (FSDP's collectives run once per forward/backward).
 
-    def greedy_count(groups: list[Group]) -> int:
-        count, rows, width = 0, 0, 0
-        for g in groups:
-            n, w = shape[id(g)]
-            if rows and (rows + n) * max(width, w) > budget:
-                count, rows, width = count + 1, 0, 0
-            rows, width = rows + n, max(width, w)
-        return count + (rows > 0)
+    Split by trajectory, not by group: the samples of one prompt differ in length (one
+    sample that runs to the token limit would pad its seven short siblings to it), and the
+    loss sums per-token terms over the mini-batch, so any split gives the same gradient."""
+    ordered = sorted((t for g in chunk for t in g.trajectories()), key=_length)
+    # Dealt in length order, so every rank gets a similar mix of lengths.
+    ranks = [ordered[r::world] for r in range(world)]
 
-    parts = max(1, min(max(greedy_count(g) for g in ranks), min(len(g) for g in ranks)))
-    mine = ranks[rank]
-    padded = [shape[id(g)][0] * shape[id(g)][1] for g in mine]
-    total = sum(padded)
-    out: list[list[Group]] = []
-    current: list[Group] = []
-    acc = 0
-    for i, g in enumerate(mine):
-        current.append(g)
-        acc += padded[i]
-        parts_left = parts - len(out) - 1
-        if parts_left > 0 and (acc * parts >= total * (len(out) + 1)
-                               or len(mine) - i - 1 == parts_left):
-            out.append(current)
-            current = []
-    out.append(current)
-    return out
+    def greedy(trajs: list[Trajectory]) -> list[list[Trajectory]]:
+        """Cut where one more row would pass the budget (sorted: a micro-batch is padded
+        to its last row)."""
+        out: list[list[Trajectory]] = [[]]
+        for t in trajs:
+            if out[-1] and (len(out[-1]) + 1) * _length(t) > budget:
+                out.append([])
+            out[-1].append(t)
+        return out
+
+    plans = [greedy(r) for r in ranks]
+    parts = max(1, min(max(len(p) for p in plans), min(len(r) for r in ranks)))
+    mine = plans[rank]
+    # Ranks with fewer micro-batches split their largest (padded size) in two until all
+    # run as many; ranks with more merge their smallest neighbours (rare: only when a
+    # rank holds fewer rows than the others' count of micro-batches).
+    while len(mine) < parts:
+        i = max((k for k in range(len(mine)) if len(mine[k]) > 1),
+                key=lambda k: len(mine[k]) * _length(mine[k][-1]))
+        half = len(mine[i]) // 2
+        mine[i:i + 1] = [mine[i][:half], mine[i][half:]]
+    while len(mine) > parts:
+        i = min(range(len(mine) - 1), key=lambda k: len(mine[k]) + len(mine[k + 1]))
+        mine[i:i + 2] = [mine[i] + mine[i + 1]]
+    return mine
 
 
 def _advantages(groups: list[Group], cfg) -> dict[str, float]:
@@ -265,8 +273,7 @@ def _in_loss(traj: Trajectory, cfg) -> bool:
     return not (cfg.loss.overlong_filter and traj.finish_reason == "length")
 
 
-def _pack(part: list[Group], advantages: dict[str, float], cfg, device) -> _Micro:
-    trajs = [t for g in part for t in g.trajectories()]
+def _pack(trajs: list[Trajectory], advantages: dict[str, float], cfg, device) -> _Micro:
     input_ids, attn, comp_mask = pack_sequences([list(t.prompt_token_ids) for t in trajs],
                                                 [list(t.response_token_ids) for t in trajs])
     old = torch.zeros(comp_mask.shape, dtype=torch.float32)
@@ -335,7 +342,8 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
         denominator, norm = _denominator(chunk, cfg)
         parts = _by_tokens(chunk, rank, world, cfg.optim.micro_batch_tokens) \
             if cfg.optim.micro_batch_tokens > 0 else \
-            _micro_batches(chunk[rank::world], cfg.optim.micro_batch_groups)
+            [[t for g in part for t in g.trajectories()]
+             for part in _micro_batches(chunk[rank::world], cfg.optim.micro_batch_groups)]
         micros = [_pack(part, advantages, cfg, device) for part in parts]
         plan.append((micros, denominator, norm))
     loss_cfg = cfg.loss
