@@ -72,6 +72,23 @@ def test_repack_reduces_idle_slots_on_stale_workers():
     assert on.slot_util > off.slot_util
 
 
+def test_kv_transfer_carries_migrated_caches_instead_of_re_prefilling():
+    kw = dict(laminar_max_staleness=None, measure_steps=6, check_invariants=True)
+    prefill = _run("laminar", repack=True, **kw)
+    carried = _run("laminar", repack=True, kv_transfer=True, **kw)
+    assert prefill.kv_carried_tokens == prefill.kv_transfer_s == 0
+    assert carried.migrated > 0 and carried.kv_carried_tokens > 0
+    # Each carried cache takes its bytes over the link, and nothing partial is lost.
+    assert carried.kv_transfer_s == pytest.approx(
+        carried.kv_carried_tokens * MODEL.kv_bytes_per_token / MODEL.kv_transfer_bandwidth)
+    assert carried.duplicate_consumes == carried.consumed_not_done == 0
+    # Fewer tokens re-prefilled per migrated trajectory (only those whose destination
+    # could not take them, and the ones with no tokens yet), so less destination stall.
+    assert carried.repack_prefill_tokens / carried.migrated < \
+        prefill.repack_prefill_tokens / prefill.migrated
+    assert carried.repack_stall_s / carried.window_s < prefill.repack_stall_s / prefill.window_s
+
+
 def test_staleness_bound_limits_laminar_staleness():
     free = _run("laminar", laminar_max_staleness=None, measure_steps=8)
     bounded = _run("laminar", laminar_max_staleness=1, measure_steps=8)

@@ -1,13 +1,15 @@
-"""SIMULATED benchmark of dynamic repack: the same long-tail laminar workload, repack on vs off.
+"""SIMULATED benchmark of dynamic repack: the same long-tail laminar workload, repack on vs off,
+and repack with KV transfer (migrated trajectories carry their caches, no re-prefill).
 
-Runs the discrete-event simulator core (``tools/simlib.py``) twice in one process with the
+Runs the discrete-event simulator core (``tools/simlib.py``) three times in one process with the
 same seed (the k-th trajectory has the same response length in both runs): laminar mode on
 ``--workers`` rollout workers, with repack planned by the project's
 ``laminar_rollout.repack.plan_repack`` (periodic every ``RepackConfig.interval_s`` and forced
 on every new weight version, like ``ManagerService._maybe_repack``) and off. The engine and
 the training step are cost models (simulated engine, simulated training step; see
 ``simlib``'s docstring for the time model, printed below); migrated trajectories pay a
-re-prefill of prompt + generated tokens on their destination, which stalls its decoding.
+re-prefill of prompt + generated tokens on their destination, which stalls its decoding, or
+with KV transfer (``SimConfig.kv_transfer``) wait for their cache to arrive instead.
 
 Why the simulator and not the real ``ManagerService`` + ``WorkerService`` with
 ``SimulatedEngine``: the real services need etcd and ZeroMQ and run on the wall clock, so 32
@@ -81,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
           f"after {args.warmup_s:.0f} s; seed {args.seed}")
     results = {}
     t0 = time.perf_counter()
-    for on in (True, False):
+    for name, on, kv in (("on", True, False), ("off", False, False), ("kv", True, True)):
         cfg = SimConfig("laminar", measure_steps=args.steps, warmup_steps=1,
                         warmup_s=args.warmup_s, repack=on, laminar_max_staleness=None,
-                        seed=args.seed)
-        results[on] = simulate(cluster, model, workload, cfg)
+                        kv_transfer=kv, seed=args.seed)
+        results[name] = simulate(cluster, model, workload, cfg)
     wall = time.perf_counter() - t0
-    on, off = results[True], results[False]
+    on, off, kv = results["on"], results["off"], results["kv"]
     rows = [
         ("generation throughput, tok/s", on.generation_tok_s, off.generation_tok_s, ",.0f"),
         ("trainer throughput, tok/s", on.throughput_tok_s, off.throughput_tok_s, ",.0f"),
@@ -115,9 +117,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{on.migrated:,} trajectories migrated, {on.repack_prefill_tokens:,.0f} tokens "
           f"re-prefilled = {on.repack_stall_s:,.0f} s of destination stall "
           f"({on.repack_stall_s / worker_s:.2%} of worker time)")
+    kv_worker_s = kv.workers * kv.window_s
+    print(f"repack + KV transfer (in its {kv.window_s:,.0f} s window): {kv.migrated:,} migrated, "
+          f"{kv.kv_carried_tokens:,.0f} tokens carried, not re-prefilled "
+          f"({kv.kv_transfer_s:,.0f} s of transfers, each waited for by its own trajectory), "
+          f"{kv.repack_prefill_tokens:,.0f} re-prefilled = {kv.repack_stall_s:,.0f} s of stall "
+          f"({kv.repack_stall_s / kv_worker_s:.2%} of worker time); generation "
+          f"{kv.generation_tok_s:,.0f} tok/s, slot use {kv.slot_util:.3f}")
     print(f"generation throughput ratio repack on/off: "
-          f"{on.generation_tok_s / off.generation_tok_s:.2f}x (SIMULATION; {wall:.1f} s wall "
-          f"for both runs)")
+          f"{on.generation_tok_s / off.generation_tok_s:.2f}x; repack with KV transfer / "
+          f"repack: {kv.generation_tok_s / on.generation_tok_s:.3f}x (SIMULATION; {wall:.1f} s "
+          f"wall for the three runs)")
     return 0
 
 

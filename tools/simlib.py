@@ -17,7 +17,9 @@ Time model (``TimeModel.describe()`` prints it with the numbers in use):
   and emits one token per sequence (KV grows by ``n`` a step: solved in closed form).
 - Prefill: admitting sequences costs ``c`` seconds per prompt (+ resumed) token, during
   which the worker's decoding stalls; a migrated (repacked) or KV-preempted trajectory is
-  re-prefilled on admission (prompt + tokens generated so far).
+  re-prefilled on admission (prompt + tokens generated so far). With ``kv_transfer``, a
+  migrated trajectory's cache moves worker to worker instead: no prefill stall on the
+  destination, and the trajectory decodes once its cache has arrived.
 - KV cache: ``kv_capacity`` tokens per worker. A queued sequence is admitted only if it fits
   with headroom; when decode growth would overflow, the newest sequences are preempted back
   to the front of the worker's queue (as vLLM / ``SimulatedEngine`` do). At most
@@ -103,13 +105,15 @@ class TimeModel:
     nccl_tensors: int = 771
     nccl_latency_s: float = 50e-6
     nccl_latency_per_hop_s: float = 100e-6
+    kv_bytes_per_token: float = 262_144.0
+    kv_transfer_bandwidth: float = 25e9
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"time model: {name} must be finite and >= 0, got {value!r}")
         for name in ("max_batch", "kv_capacity_tokens", "relay_bandwidth", "h2d_bandwidth",
-                     "d2h_bandwidth", "train_tokens_per_gpu_s"):
+                     "d2h_bandwidth", "train_tokens_per_gpu_s", "kv_transfer_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"time model: {name} must be > 0")
         if self.nccl_bandwidth <= 0:
@@ -153,6 +157,9 @@ class TimeModel:
             "migrated / preempted trajectories re-prefill prompt + generated tokens",
             f"KV cache     = {m.kv_capacity_tokens:,} tokens per worker; newest sequences are "
             "preempted when decode growth overflows it",
+            f"KV transfer  = (when on) a migrated trajectory's cache, {m.kv_bytes_per_token / 1024:.0f} "
+            f"KiB/token, worker to worker at {m.kv_transfer_bandwidth / 1e9:.0f} GB/s, one "
+            "source's caches one after another; no re-prefill, the trajectory waits for it",
             f"trainer step = {m.train_step_overhead_s:.1f} s + tokens / (trainer GPUs x "
             f"{m.train_tokens_per_gpu_s:.0f} tok/s/GPU)",
             f"weights      = {m.weight_bytes / 1e9:.0f} GB; trainer stall = snapshot at "
@@ -292,6 +299,14 @@ class SimConfig:
             global NCCL-style broadcast once the trainer finished a step and every engine
             is idle; the trainer waits for it, and every worker has the version after it,
             ``TimeModel.nccl_sync_s``). A colocated cluster syncs in place (the switch).
+        kv_transfer: Repack moves a migrated trajectory's KV cache from its source to its
+            destination (``TimeModel.kv_bytes_per_token`` at ``kv_transfer_bandwidth``, a
+            source's caches sent one after another) instead of re-prefilling it there: the
+            destination does not stall, and the trajectory holds its slot from admission
+            and decodes once its cache has arrived. The torch-engine workers carry caches
+            through the manager up to a 32 MiB cap (~128 tokens at this 32B shape), so off
+            models what is built at this shape and on the worker-to-worker plane that is
+            not (issue 18). A trajectory whose destination cannot take it re-prefills.
         check_invariants: Compare the simulator's per-worker counts with
             ``TrajectoryLedger.assigned`` after every trainer step (slow; for tests).
     """
@@ -307,6 +322,7 @@ class SimConfig:
     laminar_max_staleness: int | None = None
     laminar_max_waiting: int | None = None
     weight_sync: str = "relay"
+    kv_transfer: bool = False
     seed: int = 0
     check_invariants: bool = False
 
@@ -353,6 +369,10 @@ class SimResult:
     migrated: int
     repack_prefill_tokens: float
     repack_stall_s: float
+    kv_carried_tokens: float
+    """Tokens of migrated trajectories whose caches moved (kv_transfer): not re-prefilled."""
+    kv_transfer_s: float
+    """Summed transfer time of those caches (each trajectory waits for its own)."""
     preemptions: int
     consumed_trajectories: int
     duplicate_consumes: int
@@ -463,6 +483,10 @@ class _Sim:
         self.not_done = 0
         self.repacks = self.migrated = self.preemptions = 0
         self.repack_tokens = 0.0
+        self.kv_carried_tokens = self.kv_transfer_s = 0.0
+        # Migrated trajectories whose cache is on its way to (or at) their destination:
+        # seconds from the repack until it has arrived.
+        self.t_carried: dict[int, float] = {}
         self.repack_gen = 0
         self.mark: tuple | None = None
         self.finished = False
@@ -592,12 +616,20 @@ class _Sim:
                 raise RuntimeError(f"invariant: trajectory {self.t_id[t]} of version "
                                    f"{self.t_ver[t]} admitted on {w.wid} at v{w.version}")
             s0 = w.s_ref
+            carried = self.t_carried.pop(t, None)
+            if carried is not None:
+                # Its cache arrives ``carried`` s after the repack (about now): it holds
+                # its slot and decodes from then on, in decode steps at the current pace.
+                wait = carried / self.m.decode_step_s(w.n + 1, used + total)
+                s0 += wait
+                w.acc[3] -= wait  # no tokens while it waits (the step count runs on)
             w.active[t] = (s0, self.t_gen[t])
             w.kv_offset += total - s0
             w.n += 1
             used += total
             heapq.heappush(w.heap, (s0 + self.t_len[t] - self.t_gen[t], t, self.t_run[t]))
-            tokens += total
+            if carried is None:
+                tokens += total
         if tokens:
             stall = self.c * tokens
             w.t_ref = max(w.t_ref, now) + stall
@@ -612,7 +644,7 @@ class _Sim:
             s0, g0 = w.active.pop(t)
             w.kv_offset -= self.prompt + g0 - s0
             w.n -= 1
-            self.t_gen[t] = g0 + (w.s_ref - s0)
+            self.t_gen[t] = g0 + max(0.0, w.s_ref - s0)
             self.t_run[t] += 1
             w.queue.appendleft(t)
             self.preemptions += 1
@@ -756,7 +788,8 @@ class _Sim:
             return False
         w.queue.append(t)
         w.kv.refill()
-        self.repack_tokens += self.prompt + self.t_gen[t]
+        if t not in self.t_carried:
+            self.repack_tokens += self.prompt + self.t_gen[t]
         return True
 
     def place_resumables(self, now: float) -> None:
@@ -795,8 +828,9 @@ class _Sim:
         for move in moves:
             src, dst = self.by_wid[move.source], self.by_wid[move.destination]
             held = list(src.active) + list(src.queue)
+            sent = 0.0  # this source's caches go out one after another
             for t, (s0, g0) in src.active.items():
-                self.t_gen[t] = g0 + (src.s_ref - s0)
+                self.t_gen[t] = g0 + max(0.0, src.s_ref - s0)
                 self.t_run[t] += 1
             src.active.clear()
             src.heap.clear()
@@ -816,7 +850,18 @@ class _Sim:
                 if not resumed:
                     self.t_ver[t] = -1
                 self.migrated += 1
-                if not self.place(t, dst):
+                own = 0.0
+                if resumed and self.cfg.kv_transfer:
+                    own = (self.prompt + self.t_gen[t]) * self.m.kv_bytes_per_token / \
+                        self.m.kv_transfer_bandwidth
+                    sent += own
+                    self.t_carried[t] = sent
+                if self.place(t, dst):
+                    if t in self.t_carried:
+                        self.kv_carried_tokens += self.prompt + self.t_gen[t]
+                        self.kv_transfer_s += own
+                else:
+                    self.t_carried.pop(t, None)  # no destination: it re-prefills later
                     self.resumable.add(t)
             self.admit(dst, now)
             self.fit_kv(dst, now)
@@ -921,13 +966,14 @@ class _Sim:
             self.advance(w, now)
         totals = [sum(w.acc[i] for w in self.workers) for i in range(7)]
         self.mark = (now, totals, len(self.step_end), self.repack_tokens, self.repacks,
-                     self.migrated, [w.acc[3] for w in self.workers])
+                     self.migrated, [w.acc[3] for w in self.workers],
+                     (self.kv_carried_tokens, self.kv_transfer_s))
 
     # -- results ---------------------------------------------------------------------------
 
     def result(self, wall_s: float) -> SimResult:
         assert self.mark is not None
-        t0, base, first_step, base_rtok, base_repacks, base_migr, base_tok = self.mark
+        t0, base, first_step, base_rtok, base_repacks, base_migr, base_tok, base_kv = self.mark
         t1 = self.end
         window = t1 - t0
         if window <= 0:
@@ -959,6 +1005,8 @@ class _Sim:
             repacks=self.repacks - base_repacks, migrated=self.migrated - base_migr,
             repack_prefill_tokens=self.repack_tokens - base_rtok,
             repack_stall_s=self.c * (self.repack_tokens - base_rtok),
+            kv_carried_tokens=self.kv_carried_tokens - base_kv[0],
+            kv_transfer_s=self.kv_transfer_s - base_kv[1],
             preemptions=self.preemptions,
             consumed_trajectories=int(sum(self.consumed)),
             duplicate_consumes=self.duplicates, consumed_not_done=self.not_done,

@@ -71,6 +71,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "trajectories wait for the trainer (ManagerConfig.max_waiting; "
                         "default off)")
     p.add_argument("--no-repack", action="store_true", help="laminar without dynamic repack")
+    p.add_argument("--kv-transfer", action="store_true",
+                   help="laminar's repack moves migrated caches worker to worker (no "
+                        "re-prefill; the plane issue 18 asks for, not built at this shape)")
+    p.add_argument("--kv-kib-per-token", type=float, default=256.0,
+                   help="KV cache per token, KiB (32B: 64 layers x 8 KV heads x 128 x K,V "
+                        "x bf16)")
+    p.add_argument("--kv-gbps", type=float, default=25.0, help="KV transfer link, GB/s")
     p.add_argument("--batch-prompts", type=int, default=512, help="prompts per global batch")
     p.add_argument("--group-size", type=int, default=16, help="samples per prompt (GRPO)")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -182,7 +189,8 @@ def _configs(args, fill: float):
         "laminar": SimConfig("laminar", measure_steps=args.laminar_steps, warmup_steps=2,
                              warmup_s=2 * fill, repack=not args.no_repack,
                              laminar_max_staleness=args.max_staleness,
-                             laminar_max_waiting=args.max_waiting, seed=args.seed),
+                             laminar_max_waiting=args.max_waiting,
+                             kv_transfer=args.kv_transfer, seed=args.seed),
     }
 
 
@@ -296,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         relay_bandwidth=args.relay_gbps * 1e9, h2d_bandwidth=args.h2d_gbps * 1e9,
         nccl_bandwidth=args.nccl_gbps * 1e9, colocate_switch_s=args.switch_s,
         train_tokens_per_gpu_s=args.train_tok_per_gpu,
-        train_step_overhead_s=args.train_overhead)
+        train_step_overhead_s=args.train_overhead,
+        kv_bytes_per_token=args.kv_kib_per_token * 1024, kv_transfer_bandwidth=args.kv_gbps * 1e9)
 
     def workload_of(tail: float) -> Workload:
         return Workload(
