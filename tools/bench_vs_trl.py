@@ -413,7 +413,7 @@ def compare_settings(s: JobSettings, lam: dict, trls: list[dict]) -> tuple[list[
     if s.optim.get("micro_batch_tokens"):
         differences.append(f"micro-batches: Laminar runs each mini-batch in forward/backward "
                            f"passes of about {s.optim['micro_batch_tokens']} padded tokens, "
-                           "groups sorted by length (the same gradient, less padding); TRL "
+                           "trajectories sorted by length (the same gradient, less padding); TRL "
                            "pads each mini-batch to its longest completion")
     if loss["aggregation"] == "seq-mean-token-sum-norm" and loss["norm_tokens"] not in (
             None, samp["max_tokens"]):
