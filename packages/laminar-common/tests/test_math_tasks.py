@@ -103,9 +103,14 @@ def test_difficulty_knob_bounds_the_numbers_and_steps():
         make_math_problems(1, 0, "test")
 
 
-def test_rows_and_paths_are_checked(tmp_path):
+def test_rows_and_paths_are_checked(tmp_path, monkeypatch):
+    from laminar_common.launch import math_tasks
+
     assert math_rows([], "eval") == []
     with pytest.raises(ValueError, match="parquet"):
         write_math_prompts(tmp_path / "x.jsonl", 3, "train", 0)
-    with pytest.raises(ValueError, match="distinct"):
+    # A space too small for n distinct problems: refused once the draws run out (with the
+    # real budget, 1,000 draws a problem, that takes ~5 s to find ~1,000 of them).
+    monkeypatch.setattr(math_tasks, "_MAX_DRAWS_PER_PROBLEM", 20)
+    with pytest.raises(ValueError, match=r"found only \d+ distinct 'eval' math problems"):
         make_math_problems(10_000, 0, "eval", max_value=2, max_steps=1)

@@ -76,13 +76,17 @@ def server_and_client_factory(request):
     server.close()
 
 
-def _serve(server, n_msgs):
+def _serve(server, n_msgs, stop: threading.Event | None = None):
+    """Echo ``n_msgs`` acks back (giving up after 5 s without a message), or serve until
+    ``stop`` is set (polling every 50 ms)."""
     def run():
         got = 0
-        while got < n_msgs:
-            item = server.recv(timeout_s=5)
+        while got < n_msgs and not (stop is not None and stop.is_set()):
+            item = server.recv(timeout_s=5 if stop is None else 0.05)
             if item is None:
-                return
+                if stop is None:
+                    return
+                continue
             peer, msg = item
             if isinstance(msg, codec.Ack):
                 server.send(peer, msg)
@@ -135,9 +139,11 @@ def test_a_forgotten_peer_is_told_to_say_hello_again(server_and_client_factory):
 def test_other_protocol_version_refused_with_clear_error(server_and_client_factory):
     server, make_client = server_and_client_factory
     client = make_client(_hello("old", version=codec.PROTOCOL_VERSION + 1))
-    t = _serve(server, 1)
+    stop = threading.Event()
+    t = _serve(server, 1, stop)  # serves the hello, then stops once it was refused
     with pytest.raises(ProtocolError, match="refused: worker 'old' speaks protocol version"):
         client.connect(timeout_s=5)
+    stop.set()
     t.join()
     assert server.stats.rejected["refused"] == 1
     assert "old" not in server.peers
