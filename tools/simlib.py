@@ -485,7 +485,7 @@ class _Sim:
         self.repack_tokens = 0.0
         self.kv_carried_tokens = self.kv_transfer_s = 0.0
         # Migrated trajectories whose cache is on its way to (or at) their destination:
-        # seconds from the repack until it has arrived.
+        # the simulated time it arrives there.
         self.t_carried: dict[int, float] = {}
         self.repack_gen = 0
         self.mark: tuple | None = None
@@ -616,11 +616,11 @@ class _Sim:
                 raise RuntimeError(f"invariant: trajectory {self.t_id[t]} of version "
                                    f"{self.t_ver[t]} admitted on {w.wid} at v{w.version}")
             s0 = w.s_ref
-            carried = self.t_carried.pop(t, None)
-            if carried is not None:
-                # Its cache arrives ``carried`` s after the repack (about now): it holds
-                # its slot and decodes from then on, in decode steps at the current pace.
-                wait = carried / self.m.decode_step_s(w.n + 1, used + total)
+            arrival = self.t_carried.pop(t, None)
+            if arrival is not None:
+                # It holds its slot from now and decodes once its cache has arrived (the
+                # wait in decode steps at the current pace; none if it is there already).
+                wait = max(0.0, arrival - now) / self.m.decode_step_s(w.n + 1, used + total)
                 s0 += wait
                 w.acc[3] -= wait  # no tokens while it waits (the step count runs on)
             w.active[t] = (s0, self.t_gen[t])
@@ -628,7 +628,7 @@ class _Sim:
             w.n += 1
             used += total
             heapq.heappush(w.heap, (s0 + self.t_len[t] - self.t_gen[t], t, self.t_run[t]))
-            if carried is None:
+            if arrival is None:
                 tokens += total
         if tokens:
             stall = self.c * tokens
@@ -855,9 +855,9 @@ class _Sim:
                     own = (self.prompt + self.t_gen[t]) * self.m.kv_bytes_per_token / \
                         self.m.kv_transfer_bandwidth
                     sent += own
-                    self.t_carried[t] = sent
+                    self.t_carried[t] = now + sent
                 if self.place(t, dst):
-                    if t in self.t_carried:
+                    if own:
                         self.kv_carried_tokens += self.prompt + self.t_gen[t]
                         self.kv_transfer_s += own
                 else:

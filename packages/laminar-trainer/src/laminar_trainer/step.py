@@ -213,10 +213,6 @@ def _length(traj: Trajectory) -> int:
     return len(traj.prompt_token_ids) + len(traj.response_token_ids)
 
 
-def _longest(group: Group) -> int:
-    return max(_length(t) for t in group.trajectories())
-
-
 def _by_tokens(chunk: list[Group], rank: int, world: int, budget: int) -> list[list[Trajectory]]:
     """This rank's trajectories of ``chunk`` in micro-batches of about ``budget`` padded
     token positions, sorted by length (each padded to its last row), and as many
