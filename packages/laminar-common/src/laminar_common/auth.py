@@ -130,6 +130,7 @@ class _HandshakeWatcher:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._new: list[zmq.Socket] = []
+        self._added = threading.Event()
         self._thread: threading.Thread | None = None
 
     def watch(self, sock: zmq.Socket) -> None:
@@ -140,6 +141,7 @@ class _HandshakeWatcher:
         monitor.linger = 0
         with self._lock:
             self._new.append(monitor)
+            self._added.set()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="laminar-zmq-handshakes",
                                                 daemon=True)
@@ -156,6 +158,13 @@ class _HandshakeWatcher:
                     poller.register(monitor, zmq.POLLIN)
                     monitors.add(monitor)
                 self._new.clear()
+                self._added.clear()
+            if not monitors:
+                # Every watched socket closed: wait for a new one. (A poll of no sockets
+                # returns at once: this loop used to spin a core and starve the
+                # process's other threads of the GIL from then on.)
+                self._added.wait(1.0)
+                continue
             try:
                 ready = dict(poller.poll(200))
             except zmq.ZMQError as exc:  # the context is being terminated: let it finish
