@@ -653,6 +653,9 @@ def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs
     assert sum(w.counters["kv_migrated_out"] for w in workers) >= 1
     moved_in = sum(w.counters["kv_migrated_in"] for w in workers)
     assert moved_in >= 1 and sum(w.counters["kv_refused"] for w in workers) == 0
+    # The caches went worker to worker (the default plane), not through the manager.
+    assert sum(w.counters["kv_fetched"] for w in workers) == moved_in
+    assert sum(w.stats()["kv_plane"].get("served", 0) for w in workers) == moved_in
     assert sum(w.engine.kv_reused_tokens for w in workers) > 0
     got = {t.trajectory_id: t for t in trainer.got}
     assert len(got) == 120 and len(trainer.got) == len(got), "a trajectory arrived twice"

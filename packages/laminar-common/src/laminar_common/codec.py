@@ -34,6 +34,10 @@ __all__ = [
     "PromptTask",
     "ConversationState",
     "KvCache",
+    "KvRef",
+    "KvFetch",
+    "KvMissing",
+    "kv_digest",
     "KV_DTYPES",
     "Trajectory",
     "PartialProgress",
@@ -54,8 +58,10 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 8
-"""8: a migrated :class:`PromptTask` may carry its attention cache (:class:`KvCache`), so
+PROTOCOL_VERSION = 9
+"""9: a migrated :class:`PromptTask`'s ``kv`` may be a :class:`KvRef` (the cache waits on
+the source worker, and the destination fetches it from there with :class:`KvFetch`,
+answered by the :class:`KvCache` or :class:`KvMissing`). 8: a migrated :class:`PromptTask` may carry its attention cache (:class:`KvCache`), so
 the destination worker skips the re-prefill; :class:`PartialProgress` may carry only the
 tokens since the last report (``offset``), batched in :class:`WorkerReport` ``progress``. 7: :class:`Trajectory` carries ``observation_spans`` (multi-turn: the response tokens an
 environment added, never trained on; behaviour log-probs cover only the generated ones);
@@ -169,6 +175,80 @@ class KvCache(_Msg, tag="kv"):
                 f"take {want}")
 
 
+class KvRef(_Msg, tag="kvref"):
+    """Where a migrated trajectory's attention cache waits: the source worker's KV plane.
+
+    The destination fetches it from ``endpoint`` (:class:`KvFetch` with ``token``) and
+    takes it only if what arrives is exactly what this describes: the same shape fields
+    as :class:`KvCache`, ``nbytes`` of data whose BLAKE2b-128 is ``digest``. The source
+    serves it once and for a limited time; a destination that cannot get it re-prefills.
+    """
+
+    endpoint: str
+    trajectory_id: str
+    token: str
+    engine: str
+    dtype: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    num_tokens: int
+    nbytes: int
+    digest: str
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("tcp://", "inproc://")):
+            raise ValueError(f"kv endpoint {self.endpoint!r} is not a tcp:// or inproc:// "
+                             "address")
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype {self.dtype!r} is not one of {sorted(KV_DTYPES)}")
+        for name in ("layers", "kv_heads", "head_dim", "num_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv {name} must be >= 1, got {getattr(self, name)}")
+        want = (2 * self.layers * self.kv_heads * self.num_tokens * self.head_dim
+                * KV_DTYPES[self.dtype])
+        if self.nbytes != want:
+            raise ValueError(f"kv ref says {self.nbytes} bytes; its shape takes {want}")
+        if len(self.digest) != 32 or any(c not in "0123456789abcdef" for c in self.digest):
+            raise ValueError("kv digest must be 32 lowercase hex digits")
+        if not 16 <= len(self.token) <= 64:
+            raise ValueError("kv token must be 16 to 64 characters")
+
+    def describes(self, blob: KvCache) -> str | None:
+        """Why ``blob`` is not the cache this names (None: it is)."""
+        for name in ("engine", "dtype", "layers", "kv_heads", "head_dim", "num_tokens"):
+            if getattr(blob, name) != getattr(self, name):
+                return (f"{name} {getattr(blob, name)!r} where the ref says "
+                        f"{getattr(self, name)!r}")
+        if len(blob.data) != self.nbytes:
+            return f"{len(blob.data)} bytes where the ref says {self.nbytes}"
+        if kv_digest(blob.data) != self.digest:
+            return "its bytes do not match the ref's digest"
+        return None
+
+
+def kv_digest(data: bytes | memoryview) -> str:
+    """BLAKE2b-128 of a cache's bytes, hex (what :class:`KvRef` ``digest`` holds)."""
+    import hashlib
+
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class KvFetch(_Msg, tag="kvfetch"):
+    """Destination worker -> source worker's KV plane: the cache a :class:`KvRef` names."""
+
+    trajectory_id: str
+    token: str
+
+
+class KvMissing(_Msg, tag="kvmissing"):
+    """The KV plane's answer when it does not hold that cache (served already, expired,
+    evicted, or a wrong token); the destination re-prefills."""
+
+    trajectory_id: str
+    reason: str
+
+
 class PromptTask(_Msg, tag="prompt"):
     """One trajectory to generate (one sample of a GRPO group).
 
@@ -205,10 +285,12 @@ class PromptTask(_Msg, tag="prompt"):
     conversation: ConversationState | None = None
     """A multi-turn trajectory past its first turn: the resumed tokens hold tool results
     (see :class:`ConversationState`); None for a single turn or a first turn."""
-    kv: KvCache | None = None
+    kv: KvCache | KvRef | None = None
     """A migrated trajectory's attention cache (repack between workers whose engines
-    transfer KV); held by the manager in memory only, used once, and never required:
-    without it (or when it does not fit) the destination re-prefills."""
+    transfer KV): the cache itself (through the manager, which holds it in memory only)
+    or where to fetch it from the source worker (:class:`KvRef`, the default plane);
+    used once and never required: without it, or when it does not fit or cannot be
+    fetched, the destination re-prefills."""
 
 
 class Trajectory(_Msg, tag="trajectory"):
@@ -407,6 +489,9 @@ Message = Union[
     Acked,
     GenerationRejected,
     WeightManifest,
+    KvFetch,
+    KvMissing,
+    KvCache,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -11,12 +11,11 @@ import re
 import socket
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from laminar_common.config import (
     AuthConfig,
     EtcdConfig,
-    HostConfig,
     LaminarModel,
     ListenConfig,
     LoggingConfig,
@@ -226,7 +225,7 @@ class EnvironmentConfig(LaminarModel):
     """The python tool's sandbox."""
 
 
-class WorkerConfig(HostConfig):
+class WorkerConfig(ListenConfig):
     """Config of ``laminar-rollout serve`` (one generation worker)."""
 
     job: str = "laminar"
@@ -271,12 +270,36 @@ class WorkerConfig(HostConfig):
     returned by then is a wedged engine: the worker leaves the job and exits 1, so
     its supervisor (``laminar up``, Ray) starts it again and it registers afresh
     instead of hanging with its slots idle."""
-    kv_transfer_max_mb: float = Field(default=16.0, ge=0, le=32)
+    kv_transfer_max_mb: float = Field(default=256.0, ge=0, le=4096)
     """Repack: a trajectory handed back for migration carries its attention cache when
     the engine transfers KV (torch engine) and the cache is at most this size, so a
     destination with the same model shape continues without re-prefilling (others
-    re-prefill). It travels through the manager, in frames of at most 64 MiB (hence at
-    most 32): 0 turns it off."""
+    re-prefill). 0 turns it off. With ``kv_plane: manager`` at most 32 (the manager's
+    frames are at most 64 MiB)."""
+    kv_plane: Literal["direct", "manager"] = "direct"
+    """How a migrated cache travels. ``direct``: it waits on this worker's KV plane
+    (a ZeroMQ socket on ``bind_host``:``kv_port``, advertised in the ref the manager
+    passes on) and the destination fetches it from here; ``manager``: inside the
+    exported task, through the manager."""
+    kv_port: int = Field(default=0, ge=0, le=65535)
+    """TCP port of the KV plane (0: any free port; the ref names it)."""
+    kv_listen: str | None = None
+    """A whole ZeroMQ endpoint for the KV plane instead of ``bind_host``:``kv_port``."""
+    kv_hold_s: float = Field(default=60.0, gt=0)
+    """An exported cache nobody fetched in this long is dropped (the destination, if it
+    asks later, re-prefills)."""
+    kv_hold_max_mb: float = Field(default=2048.0, gt=0)
+    """All caches the KV plane holds together; a new one beyond it evicts the oldest."""
+    kv_fetch_timeout_s: float = Field(default=10.0, gt=0)
+    """How long a destination waits for a cache before it re-prefills instead."""
+
+    @model_validator(mode="after")
+    def _kv_fits_the_plane(self) -> WorkerConfig:
+        if self.kv_plane == "manager" and self.kv_transfer_max_mb > 32:
+            raise ValueError(f"kv_transfer_max_mb {self.kv_transfer_max_mb} is over 32, the "
+                             "most a cache may take through the manager (kv_plane: manager)")
+        return self
+
     stats_path: str | None = None
     """Write counters, busy/weight-wait time and a busy/idle/weights timeline here on exit."""
     metrics: MetricsConfig = MetricsConfig()

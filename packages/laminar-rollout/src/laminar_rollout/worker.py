@@ -31,6 +31,7 @@ conversation is between turns).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import queue
 import time
@@ -57,6 +58,7 @@ from .engines import EngineError, GenerationEngine, GenerationOutput, Generation
 from .engines import SamplingParams as EngineSampling
 from .engines.base import KVState, call_with_deadline
 from .engines.kv_wire import kv_from_wire, kv_to_wire
+from .kv_plane import KvFetchError, KvPlane, fetch_kv
 from .rewards import RewardFn, RewardPool, load_reward_fn
 from .tokenizer import Tokenizer
 from .version import __version__
@@ -127,6 +129,11 @@ class WorkerService(Service):
             if config.environment is not None else None
         self._between_turns: dict[str, PromptTask] = {}
         """Multi-turn trajectories whose environment is answering (held, not in the engine)."""
+        self.kv_plane: KvPlane | None = None
+        """Serves the caches of trajectories this worker exported (``kv_plane: direct``)."""
+        self._kv_waiting: dict[str, tuple[PromptTask, concurrent.futures.Future]] = {}
+        """Migrated trajectories whose cache is being fetched from their source (held)."""
+        self._kv_fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.coordinator = coordinator
         self.manager: Client | None = None
         self._manager_key: tuple[str, float] | None = None
@@ -179,11 +186,27 @@ class WorkerService(Service):
             capacity=self.engine.load().max_batch, extra=extra,
         )
         self.coordinator.register(record)
+        if self._direct_kv():
+            where = self.config.addresses()
+            self.kv_plane = KvPlane(
+                self.config.kv_listen or where.tcp(self.config.kv_port), self.worker_id,
+                max_bytes=int(self.config.kv_hold_max_mb * 2**20),
+                hold_s=self.config.kv_hold_s, max_cache_bytes=self._kv_limit(),
+                advertise=where.advertised, auth=self._curve).start()
+            log.info("KV plane at %s", self.kv_plane.endpoint)
         self._connect_manager()
         # Ready once the manager welcomed us: the launcher and tests wait on this record.
         self.coordinator.update_record(msgspec.structs.replace(record, extra={
             **extra, Extra.READY: "1", Extra.VERSION: str(self.engine.weight_version)}))
         self.spawn(self._loop, "loop")
+
+    def _direct_kv(self) -> bool:
+        """Whether exported caches wait here for their destination (see ``kv_plane``)."""
+        return self.config.kv_plane == "direct" and self.config.kv_transfer_max_mb > 0 and \
+            self.engine.supports_kv_transfer and self.conversations is None
+
+    def _kv_limit(self) -> int:
+        return int(self.config.kv_transfer_max_mb * 2**20)
 
     def _connect_manager(self, timeout_s: float = 60.0,
                          known: MemberRecord | None = None) -> None:
@@ -243,6 +266,21 @@ class WorkerService(Service):
             Metric("kv_refused_total", "counter",
                    "migrated KV caches not used (another engine or model shape): re-prefilled",
                    c["kv_refused"]),
+            Metric("kv_fetched_total", "counter",
+                   "migrated caches fetched from their source worker's KV plane",
+                   c["kv_fetched"]),
+            Metric("kv_fetch_failed_total", "counter",
+                   "migrated caches that could not be fetched (source gone, slow, expired, "
+                   "or other bytes than its ref named): re-prefilled", c["kv_fetch_failed"]),
+            Metric("kv_plane_served_total", "counter",
+                   "caches this worker's KV plane handed to a destination",
+                   self.kv_plane.counters["served"] if self.kv_plane else 0),
+            Metric("kv_plane_dropped_total", "counter",
+                   "exported caches dropped unfetched (expired or evicted)",
+                   self.kv_plane.counters["expired"] + self.kv_plane.counters["evicted"]
+                   if self.kv_plane else 0),
+            Metric("kv_plane_held_bytes", "gauge", "exported caches waiting to be fetched",
+                   self.kv_plane.held_bytes if self.kv_plane else 0),
             Metric("kv_too_large_total", "counter",
                    "exports whose cache exceeded kv_transfer_max_mb (re-prefilled)",
                    c["kv_too_large"]),
@@ -292,6 +330,7 @@ class WorkerService(Service):
         return {"worker_id": self.worker_id, "uptime_s": uptime, "busy_s": self.busy_s,
                 "busy_fraction": self.busy_s / uptime if uptime else 0.0,
                 "weight_wait_s": self.weight_wait_s, "counters": dict(self.counters),
+                "kv_plane": dict(self.kv_plane.counters) if self.kv_plane else None,
                 "weight_version": self.engine.weight_version, "outbox": len(self.outbox),
                 "started_at": self._t_start, "timeline": self.timeline}
 
@@ -306,6 +345,10 @@ class WorkerService(Service):
         self.rewards.close()
         if self.conversations is not None:
             self.conversations.close()
+        if self._kv_fetch_pool is not None:
+            self._kv_fetch_pool.shutdown(wait=False, cancel_futures=True)
+        if self.kv_plane is not None:
+            self.kv_plane.close()
         if self.coordinator is not None:
             self.coordinator.close()
         for sock in (self.manager, self.trainer):
@@ -324,12 +367,14 @@ class WorkerService(Service):
                 continue
             busy = self.engine.has_unfinished()
             wait = 0.0 if busy or self._fresh else \
-                (0.002 if self._scoring or self._between_turns else 0.02)
+                (0.002 if self._scoring or self._between_turns or self._kv_waiting else 0.02)
             msg = self.manager.recv(timeout_s=wait)
             while msg is not None:
                 self._handle(msg)
                 msg = self.manager.recv(timeout_s=0) if self.manager is not None else None
+            self._collect_kv()
             if self._pull is not None and not self.engine.has_unfinished() and \
+                    not self._kv_waiting and \
                     not (self.conversations is not None and self.conversations.busy) and \
                     time.monotonic() >= self._pull_retry_at:
                 try:
@@ -403,6 +448,10 @@ class WorkerService(Service):
         """
         dropped = self.engine.abort() if self.engine.has_unfinished() else []
         dropped_ids = [out.request_id for out in dropped] + [t.trajectory_id for t in self._fresh]
+        dropped_ids += list(self._kv_waiting)
+        for _, future in self._kv_waiting.values():
+            future.cancel()  # (one already running ends on its timeout; its result is dropped)
+        self._kv_waiting.clear()
         if self.conversations is not None:
             self.conversations.clear()
             dropped_ids += [t for t in self._between_turns if t not in dropped_ids]
@@ -466,7 +515,9 @@ class WorkerService(Service):
                 self._refuse_kv(msg, "this worker's engine takes no KV cache"
                                 if msg.resume_token_ids else "the task resumes no tokens")
                 msg = msgspec.structs.replace(msg, kv=None)
-            if msg.resume_token_ids:
+            if isinstance(msg.kv, codec.KvRef):
+                self._fetch_kv(msg)
+            elif msg.resume_token_ids:
                 self._add(msg)
             else:
                 self._fresh.append(msg)
@@ -486,6 +537,37 @@ class WorkerService(Service):
                          known=self._manager_rec)
         else:
             log.warning("ignoring %s from manager", type(msg).__name__)
+
+    def _fetch_kv(self, task: PromptTask) -> None:
+        """Fetch a migrated trajectory's cache from its source, off the decode loop; the
+        trajectory is held (reported) meanwhile and starts when the cache is here."""
+        if self._kv_fetch_pool is None:
+            self._kv_fetch_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix=f"kv-fetch-{self.worker_id}")
+        ref = task.kv
+        assert isinstance(ref, codec.KvRef)
+        future = self._kv_fetch_pool.submit(
+            fetch_kv, ref, self.worker_id, timeout_s=self.config.kv_fetch_timeout_s,
+            max_cache_bytes=self._kv_limit(), auth=self._curve)
+        self._kv_waiting[task.trajectory_id] = (task, future)
+
+    def _collect_kv(self) -> None:
+        """Start the migrated trajectories whose cache fetch ended: from the cache if it
+        came, else re-prefilled."""
+        for tid, (task, future) in list(self._kv_waiting.items()):
+            if not future.done():
+                continue
+            del self._kv_waiting[tid]
+            try:
+                blob = future.result()
+            except KvFetchError as exc:
+                self.counters["kv_fetch_failed"] += 1
+                self._refuse_kv(task, str(exc))
+                self._add(msgspec.structs.replace(task, kv=None))
+                continue
+            self.counters["kv_fetched"] += 1
+            self.counters["kv_bytes_in"] += len(blob.data)
+            self._add(msgspec.structs.replace(task, kv=blob))
 
     def _start_fresh(self) -> None:
         while self._fresh:
@@ -626,7 +708,7 @@ class WorkerService(Service):
         # turns on the destination, so it re-prefills).
         with_kv = self.config.kv_transfer_max_mb > 0 and self.engine.supports_kv_transfer \
             and self.conversations is None
-        limit = int(self.config.kv_transfer_max_mb * 2**20)
+        limit = self._kv_limit()
         for req in (self.engine.export_with_kv(wanted, max_bytes=limit) if with_kv
                     else self.engine.export(wanted)):
             task = self._tasks.pop(req.request_id)
@@ -642,9 +724,10 @@ class WorkerService(Service):
             self.counters["exported"] += 1
         self._report(force=True)
 
-    def _kv_out(self, req: GenerationRequest) -> codec.KvCache | None:
-        """The cache ``export_with_kv`` attached, for the wire (it left out any over
-        ``kv_transfer_max_mb``; a request with no tokens generated has none)."""
+    def _kv_out(self, req: GenerationRequest) -> codec.KvCache | codec.KvRef | None:
+        """The cache ``export_with_kv`` attached, for the wire, or a ref to it on this
+        worker's KV plane (it left out any over ``kv_transfer_max_mb``; a request with no
+        tokens generated has none)."""
         if req.kv is None:
             if req.resume_token_ids:
                 self.counters["kv_too_large"] += 1
@@ -652,6 +735,8 @@ class WorkerService(Service):
         blob = kv_to_wire(req.kv)
         self.counters["kv_migrated_out"] += 1
         self.counters["kv_bytes_out"] += len(blob.data)
+        if self.kv_plane is not None:  # the destination fetches it from here
+            return self.kv_plane.offer(req.request_id, blob)
         return blob
 
     def _refuse_kv(self, task: PromptTask, why: str) -> None:
@@ -718,7 +803,8 @@ class WorkerService(Service):
             active=load.active, queued=load.queued + len(self._fresh),
             max_batch=0 if full else load.max_batch, kv_used_tokens=load.kv_used_tokens,
             kv_capacity_tokens=load.kv_capacity_tokens,
-            holding=tuple(self._tasks) + tuple(self._scoring) + tuple(self._between_turns),
+            holding=tuple(self._tasks) + tuple(self._scoring) + tuple(self._between_turns)
+            + tuple(self._kv_waiting),
             done=tuple(self._done_since_report), progress=batched,
         ))
         self._done_since_report = []
