@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from laminar_common.codec import PromptTask, SamplingSpec, Trajectory
 from laminar_common.consume.validation import check_trajectory
 from laminar_rollout.conversations import Completed, Conversations, make_conversations
@@ -193,11 +195,14 @@ def _tiny_model(seed: int):
 
 
 def _drive(conv: Conversations, engine, task: PromptTask, request, timeout_s: float = 60,
-           stop_after_turn2_tokens: int | None = None):
+           stop_after_turn2_tokens: int | None = None, with_kv: bool = False):
     """Run ``request`` (and the next turns) on ``engine``; with ``stop_after_turn2_tokens``,
     return the engine's export of the trajectory once that many tokens of its second turn
-    exist, instead of finishing it."""
+    exist, instead of finishing it (``with_kv``: with its attention cache, as the wire
+    carries it)."""
     import msgspec
+
+    from laminar_rollout.engines.kv_wire import kv_to_wire
 
     engine.add_request(request)
     deadline = time.monotonic() + timeout_s
@@ -210,13 +215,15 @@ def _drive(conv: Conversations, engine, task: PromptTask, request, timeout_s: fl
         if stop_after_turn2_tokens is not None and turn2_start is not None:
             [p] = engine.progress() or [None]
             if p is not None and len(p.token_ids) - turn2_start >= stop_after_turn2_tokens:
-                [req] = engine.export([task.trajectory_id])
+                [req] = engine.export_with_kv([task.trajectory_id]) if with_kv else \
+                    engine.export([task.trajectory_id])
                 state = conv.export_state(task.trajectory_id, replayable=True)
                 return msgspec.structs.replace(
                     task, prompt_token_ids=tuple(req.prompt_token_ids),
                     resume_token_ids=tuple(req.resume_token_ids),
                     resume_logprobs=tuple(req.resume_logprobs),
-                    policy_version=req.policy_version, conversation=state)
+                    policy_version=req.policy_version, conversation=state,
+                    kv=kv_to_wire(req.kv) if with_kv else None)
         turns, finished = conv.poll()
         for _, nxt in turns:
             turn2_start = len(nxt.resume_token_ids)
@@ -226,14 +233,19 @@ def _drive(conv: Conversations, engine, task: PromptTask, request, timeout_s: fl
     raise AssertionError("the conversation did not end in time")
 
 
-def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_not_moved():
+@pytest.mark.parametrize("with_kv", [False, True], ids=["re-prefilled", "kv-moved"])
+def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_not_moved(
+        with_kv):
     """Worker A's torch engine runs turn 1 and part of turn 2 (after a tool result); the
     trajectory is exported with its conversation state and worker B's torch engine (same
     weights, same version) finishes it: tokens, log-probs, spans and turns equal a run
-    that never moved (seeded sampling), and no tool call ran twice."""
+    that never moved (seeded sampling), and no tool call ran twice. With its KV cache
+    (repack's KV transfer), B continues from the cache, tool results included, and
+    prefills nothing."""
     import torch
 
     from laminar_rollout.engines import GenerationRequest, SamplingParams, TorchEngine
+    from laminar_rollout.engines.kv_wire import kv_from_wire
 
     model = _tiny_model(seed=0)
     tok = ByteTokenizer()
@@ -260,7 +272,9 @@ def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_n
             resume_token_ids=list(task.resume_token_ids),
             resume_logprobs=list(task.resume_logprobs),
             policy_version=task.policy_version if task.resume_token_ids else None,
-            params=SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, seed=task.sampling.seed))
+            params=SamplingParams(max_tokens=max_tokens, stop_token_ids=stops,
+                                  seed=task.sampling.seed),
+            kv=kv_from_wire(task.kv) if task.kv is not None else None)
 
     for seed in range(40):  # a seed whose second turn is long enough to be cut midway
         task = PromptTask(trajectory_id=f"p{seed}#0", prompt_id=f"p{seed}", group_size=1,
@@ -281,13 +295,21 @@ def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_n
 
     conv_a = Conversations(tok, env, limits)
     moved = _drive(conv_a, TorchEngine(model, max_batch=2, eos_token_ids=()), task,
-                   request(conv_a, task), stop_after_turn2_tokens=2)
+                   request(conv_a, task), stop_after_turn2_tokens=2, with_kv=with_kv)
     assert isinstance(moved, PromptTask) and moved.conversation is not None
     assert moved.conversation.observation_spans == spans and moved.conversation.turns == 2
     assert not conv_a.busy  # forgotten on A
     conv_b = Conversations(tok, env, limits)
-    done = _drive(conv_b, TorchEngine(model, max_batch=2, eos_token_ids=(), seed=123), moved,
-                  request(conv_b, moved))
+    engine_b = TorchEngine(model, max_batch=2, eos_token_ids=(), seed=123)
+    done = _drive(conv_b, engine_b, moved, request(conv_b, moved))
+    if with_kv:  # every position but the last resumed one came with the cache
+        assert moved.kv.num_tokens == len(moved.prompt_token_ids) + \
+            len(moved.resume_token_ids) - 1
+        assert engine_b.prefilled_tokens == 0 and engine_b.kv_reused_tokens == \
+            moved.kv.num_tokens
+    else:
+        assert engine_b.kv_reused_tokens == 0 and engine_b.prefilled_tokens == \
+            len(moved.prompt_token_ids) + len(moved.resume_token_ids)
     assert done.response_token_ids == reference.response_token_ids
     assert done.observation_spans == reference.observation_spans
     assert torch.allclose(torch.tensor(done.behaviour_logprobs),

@@ -608,7 +608,7 @@ class _ManyStops(ByteTokenizer):
     """6 stop ids: a random tiny model stops after ~50 tokens, geometrically (a tail)."""
 
 
-def _torch_worker(store, wid):
+def _torch_worker(store, wid, environment=None):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -621,7 +621,7 @@ def _torch_worker(store, wid):
         tie_word_embeddings=False)).eval()
     weights = [(n, p.detach().clone()) for n, p in model.named_parameters()]
     cfg = WorkerConfig(job=JOB, worker_id=wid, engine={"type": "simulated"},
-                       report_interval_s=0.05)
+                       report_interval_s=0.05, environment=environment)
     worker = WorkerService(cfg, TorchEngine(model, max_batch=4, seed=hash(wid) % 1000),
                            _ManyStops(),
                            fetch_weights=lambda v: FetchedVersion(v, list(weights)),
@@ -630,15 +630,20 @@ def _torch_worker(store, wid):
     return worker, model
 
 
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
 def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs(
-        stack, single_torch_thread):
+        stack, single_torch_thread, multi_turn):
+    """Migrated trajectories take their cache worker to worker; a multi-turn one's covers
+    its tool results too. Its log-probs must equal a teacher-forced forward."""
     import torch
 
     store, trainer, start_manager, start_worker = stack
     manager = start_manager(n_prompts=60, group_size=2, max_staleness=50,
                             sampling={"max_tokens": 150, "temperature": 1.0},
                             repack={"enabled": True, "interval_s": 0.1})
-    built = [_torch_worker(store, f"t{i}") for i in range(3)]
+    environment = {"type": "simulated", "options": {"median_s": 0.01, "tool_turns": 1},
+                   "max_tokens_per_turn": 75} if multi_turn else None
+    built = [_torch_worker(store, f"t{i}", environment) for i in range(3)]
     workers = [w.start() for w, _ in built]
     model = built[0][1]
     try:
@@ -674,8 +679,15 @@ def test_repack_between_torch_workers_moves_the_kv_cache_and_keeps_the_log_probs
         logp = torch.log_softmax(logits[n - 1:-1], dim=-1)
         ref = logp[torch.arange(len(traj.response_token_ids)),
                    torch.tensor(traj.response_token_ids)]
+        observed = {i for a, b in traj.observation_spans for i in range(a, b)}
+        ref = ref[[i for i in range(len(ref)) if i not in observed]]  # generated tokens
         assert torch.allclose(torch.tensor(traj.behaviour_logprobs, dtype=torch.float64),
                               ref, atol=1e-4), tid
+    if multi_turn:  # (a conversation that did not call its tool ran out of tokens)
+        assert sum(bool(t.observation_spans) for t in got.values()) >= 60
+        after_tool = [tid for tid in migrated if got[tid].observation_spans and len(
+            manager.ledger.entries[tid].partial_tokens) > got[tid].observation_spans[0][1]]
+        print(f"{len(migrated)} migrated, {len(after_tool)} of them after a tool result")
 
 
 def test_the_waiting_bound_stops_creation_while_finished_work_waits_and_resumes_as_trained(

@@ -203,7 +203,7 @@ class WorkerService(Service):
     def _direct_kv(self) -> bool:
         """Whether exported caches wait here for their destination (see ``kv_plane``)."""
         return self.config.kv_plane == "direct" and self.config.kv_transfer_max_mb > 0 and \
-            self.engine.supports_kv_transfer and self.conversations is None
+            self.engine.supports_kv_transfer
 
     def _kv_limit(self) -> int:
         return int(self.config.kv_transfer_max_mb * 2**20)
@@ -704,10 +704,10 @@ class WorkerService(Service):
         # (its side effects are running here); one between turns in the engine moves
         # with its conversation state.
         wanted = [t for t in ids if t in self._tasks]
-        # A single-turn trajectory takes its cache along (a conversation re-renders its
-        # turns on the destination, so it re-prefills).
-        with_kv = self.config.kv_transfer_max_mb > 0 and self.engine.supports_kv_transfer \
-            and self.conversations is None
+        # It takes its cache along; a conversation's covers its turns so far, tool results
+        # included (the destination continues the same tokens: its prompt ids and
+        # resumed tokens travel as they are, never rendered again).
+        with_kv = self.config.kv_transfer_max_mb > 0 and self.engine.supports_kv_transfer
         limit = self._kv_limit()
         for req in (self.engine.export_with_kv(wanted, max_bytes=limit) if with_kv
                     else self.engine.export(wanted)):
