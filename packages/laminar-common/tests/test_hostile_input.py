@@ -128,7 +128,8 @@ def test_manifest_validation_never_lets_garbage_through(manifest):
 @given(st.sampled_from([codec.Trajectory, codec.PromptTask, codec.Ack, codec.WorkerReport,
                         codec.WeightManifest, codec.Hello, codec.PullWeights,
                         codec.ExportTrajectories, codec.Acked, codec.GenerationRejected,
-                        codec.GroupsFiltered, codec.TrajectoryRejected]),
+                        codec.GroupsFiltered, codec.TrajectoryRejected, codec.KvFetch,
+                        codec.KvMissing, codec.KvCache]),
        st.dictionaries(st.text(string.ascii_lowercase + "_", max_size=20), json_values,
                        max_size=8))
 def test_structurally_plausible_frames(kind, fields):
@@ -163,3 +164,29 @@ def test_a_manifest_nested_without_end_is_refused_not_a_crash():
     one = bytes([0x87]) + fields + text("full") + bytes([0x86]) + fields
     msg = codec.decode(codec._HEADER_PREFIX + one)
     assert isinstance(msg, WeightManifest) and msg.full is not None and msg.full.full is None
+
+
+@SETTINGS
+@given(st.fixed_dictionaries({
+    "endpoint": st.sampled_from(["tcp://127.0.0.1:5555", "inproc://kv", "http://x", ""]),
+    "trajectory_id": st.text(max_size=8), "token": st.text("0123456789abcdef", max_size=70),
+    "engine": st.sampled_from(["TorchEngine", ""]),
+    "dtype": st.sampled_from(["float32", "bfloat16", "int8", ""]),
+    "layers": st.integers(-1, 3), "kv_heads": st.integers(-1, 3),
+    "head_dim": st.integers(-1, 4), "num_tokens": st.integers(-1, 4),
+    "nbytes": st.integers(-1, 2000), "digest": st.text("0123456789abcdefX", max_size=34)}))
+def test_a_kv_ref_in_a_task_is_accepted_only_when_self_consistent(ref):
+    """The ref the manager passes on names a cache on another worker: every field is
+    checked where the frame lands, and an accepted one describes a cache exactly."""
+    task = msgspec.to_builtins(codec.PromptTask(trajectory_id="t", prompt_id="p",
+                                                group_size=1, sample_index=0, prompt=""))
+    task["kv"] = dict(ref, kind="kvref")
+    frame = codec.MAGIC + codec.PROTOCOL_VERSION.to_bytes(2, "big") + msgspec.msgpack.encode(task)
+    try:
+        got = codec.decode(frame).kv
+    except ProtocolError:
+        return
+    assert isinstance(got, codec.KvRef) and got.endpoint.startswith(("tcp://", "inproc://"))
+    assert got.nbytes == 2 * got.layers * got.kv_heads * got.num_tokens * got.head_dim * \
+        codec.KV_DTYPES[got.dtype] > 0
+    assert len(got.digest) == 32 and 16 <= len(got.token) <= 64
