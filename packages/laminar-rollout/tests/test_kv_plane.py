@@ -221,3 +221,45 @@ def test_the_plane_is_a_config_choice_checked_where_it_is_read():
     assert _worker(engine, "w-src")._direct_kv()
     assert not _worker(engine, "w-m", kv_plane="manager", kv_transfer_max_mb=16)._direct_kv()
     assert not _worker(engine, "w-off", kv_transfer_max_mb=0)._direct_kv()
+
+
+_SOURCE = """
+import sys
+import msgspec
+from laminar_common.codec import KvCache
+from laminar_rollout.kv_plane import KvPlane
+plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=2**20, hold_s=60,
+                max_cache_bytes=2**20).start()
+blob = KvCache(engine="TorchEngine", dtype="float32", layers=2, kv_heads=2, head_dim=8,
+               num_tokens=4, data=bytes(1024))
+sys.stdout.write(msgspec.json.encode(plane.offer("p3#0", blob)).decode() + "\\n")
+sys.stdout.flush()
+sys.stdin.readline()
+plane.close()
+"""
+
+
+def test_a_paused_source_costs_one_timeout_and_still_holds_the_cache_when_it_resumes():
+    """The source is another process, stopped (SIGSTOP) after its export: the destination
+    gives up after its timeout (and re-prefills); resumed, the source serves the cache."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _SOURCE], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ref = msgspec.json.decode(proc.stdout.readline(), type=KvRef)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KvFetchError, match=r"p3#0 from tcp://.*no answer in 0.5s"):
+                _fetch(ref, timeout_s=0.5)
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert _fetch(ref).data == bytes(1024)
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
