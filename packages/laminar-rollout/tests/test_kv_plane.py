@@ -212,6 +212,19 @@ def test_a_cache_the_destination_cannot_get_is_re_prefilled_and_nothing_is_lost(
     assert out.token_ids[:6] == list(task.resume_token_ids) and out.finish_reason == "length"
 
 
+def test_a_cache_of_another_shape_is_never_fetched(plane):
+    model = _model()
+    task = _exported_task(model, plane, [31, 32, 33], steps=5)
+    other = TorchEngine(_model().to(torch.float64), max_batch=2, eos_token_ids=(299,))
+    worker = _worker(other, "w-dest")
+    worker._handle(task)
+    assert not worker._kv_waiting  # refused from the ref alone
+    (out,) = other.run_until_done([])
+    assert worker.counters["kv_refused"] == 1 and worker.counters["kv_fetched"] == 0
+    assert plane.counters["served"] == 0 and plane.held_bytes > 0
+    assert other.prefilled_tokens == 3 + 5 and out.token_ids[:5] == list(task.resume_token_ids)
+
+
 def test_the_plane_is_a_config_choice_checked_where_it_is_read():
     with pytest.raises(ValueError, match=r"kv_transfer_max_mb 64.0 is over 32.*kv_plane: "
                                          r"manager"):

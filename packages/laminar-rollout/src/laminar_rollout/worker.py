@@ -515,6 +515,9 @@ class WorkerService(Service):
                 self._refuse_kv(msg, "this worker's engine takes no KV cache"
                                 if msg.resume_token_ids else "the task resumes no tokens")
                 msg = msgspec.structs.replace(msg, kv=None)
+            if isinstance(msg.kv, codec.KvRef) and self._kv_unfit(msg.kv) is not None:
+                self._refuse_kv(msg, f"not fetched: {self._kv_unfit(msg.kv)}")
+                msg = msgspec.structs.replace(msg, kv=None)
             if isinstance(msg.kv, codec.KvRef):
                 self._fetch_kv(msg)
             elif msg.resume_token_ids:
@@ -537,6 +540,16 @@ class WorkerService(Service):
                          known=self._manager_rec)
         else:
             log.warning("ignoring %s from manager", type(msg).__name__)
+
+    def _kv_unfit(self, ref: codec.KvRef) -> str | None:
+        """Why this engine could not take the cache ``ref`` names (None: it could)."""
+        mine = self.engine.kv_layout()
+        theirs = (ref.engine, ref.layers, ref.kv_heads, ref.head_dim, ref.dtype)
+        if mine is None or mine != theirs:
+            return (f"the cache is {theirs[0]} {theirs[1]} layers x {theirs[2]} KV heads x "
+                    f"{theirs[3]} {theirs[4]}; this engine takes "
+                    f"{'none' if mine is None else ' '.join(map(str, mine))}")
+        return None
 
     def _fetch_kv(self, task: PromptTask) -> None:
         """Fetch a migrated trajectory's cache from its source, off the decode loop; the

@@ -341,6 +341,10 @@ class TorchEngine(GenerationEngine):
 
     supports_kv_transfer = True
 
+    def kv_layout(self) -> tuple[str, int, int, int, str]:
+        layers, heads, head_dim, dtype = self._kv_shape
+        return "torch", layers, heads, head_dim, str(dtype).removeprefix("torch.")
+
     def _check_kv(self, request: GenerationRequest) -> None:
         """A cache fits when it has this model's layers, KV heads, head size and dtype."""
         kv = request.kv

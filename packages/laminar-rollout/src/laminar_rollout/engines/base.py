@@ -330,6 +330,12 @@ class GenerationEngine(abc.ABC):
     supports_kv_transfer: bool = False
     """Whether ``export_with_kv`` attaches caches and ``add_request`` takes them."""
 
+    def kv_layout(self) -> tuple[str, int, int, int, str] | None:
+        """The caches this engine takes: ``(engine kind, layers, KV heads, head size,
+        dtype name)`` as a :class:`~laminar_common.codec.KvRef` names them (None: it
+        takes none), so a worker need not fetch a cache it could not use."""
+        return None
+
     def export_with_kv(self, request_ids: Iterable[str] | None = None,
                        max_bytes: int | None = None) -> list[GenerationRequest]:
         """``export``, with each decoding request's attention cache in ``request.kv``
