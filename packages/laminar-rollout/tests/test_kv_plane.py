@@ -276,3 +276,28 @@ def test_a_paused_source_costs_one_timeout_and_still_holds_the_cache_when_it_res
     finally:
         proc.stdin.close()
         proc.wait(10)
+
+
+def test_with_auth_only_a_peer_holding_the_job_s_keys_gets_a_cache(tmp_path):
+    """auth.dir on (a worker's ``laminar keys --split`` rollout dir holds a server key
+    pair, so its plane is a CURVE server): a plain or unauthorized fetch gets nothing."""
+    from laminar_common.auth import CurveAuth, create_keys, refusals
+
+    job = CurveAuth.from_dir(create_keys(tmp_path / "job"))
+    other = CurveAuth.from_dir(create_keys(tmp_path / "other"))
+    intruder = CurveAuth(job.server_public, None, other.client_public, other.client_secret,
+                         frozenset())
+    plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=MB, hold_s=30.0,
+                    max_cache_bytes=MB, auth=job).start()
+    try:
+        ref = plane.offer("p4#0", _blob())
+        before = refusals()["unauthorized-key"]
+        for auth in (None, intruder):
+            with pytest.raises(KvFetchError, match="no answer in 0.5s"):
+                fetch_kv(ref, "dst", timeout_s=0.5, max_cache_bytes=MB, auth=auth)
+        assert refusals()["unauthorized-key"] > before
+        assert plane.counters["served"] == 0
+        got = fetch_kv(ref, "dst", timeout_s=5, max_cache_bytes=MB, auth=job)
+        assert got == _blob() and plane.counters["served"] == 1
+    finally:
+        plane.close()
