@@ -142,7 +142,28 @@ KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 """The cache dtypes a :class:`KvCache` may carry, with their sizes in bytes."""
 
 
-class KvCache(_Msg, tag="kv"):
+def _kv_bytes(kv: KvCache | KvRef) -> int:
+    """The bytes a cache of ``kv``'s dtype and sizes takes (checking them)."""
+    if kv.dtype not in KV_DTYPES:
+        raise ValueError(f"kv dtype {kv.dtype!r} is not one of {sorted(KV_DTYPES)}")
+    for name in ("layers", "kv_heads", "head_dim", "num_tokens"):
+        if getattr(kv, name) < 1:
+            raise ValueError(f"kv {name} must be >= 1, got {getattr(kv, name)}")
+    return 2 * kv.layers * kv.kv_heads * kv.num_tokens * kv.head_dim * KV_DTYPES[kv.dtype]
+
+
+class _KvShape(_Msg):
+    """The fields that say what a cache holds (:class:`KvCache`, :class:`KvRef`)."""
+
+    engine: str
+    dtype: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    num_tokens: int
+
+
+class KvCache(_KvShape, tag="kv"):
     """The attention cache of a migrated trajectory, as the engine that wrote it held it.
 
     ``data`` is every layer's keys then values, each ``[kv_heads, num_tokens, head_dim]``
@@ -152,22 +173,10 @@ class KvCache(_Msg, tag="kv"):
     Checked on decode: known dtype, positive sizes, and exactly the bytes they describe.
     """
 
-    engine: str
-    dtype: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    num_tokens: int
     data: bytes
 
     def __post_init__(self) -> None:
-        if self.dtype not in KV_DTYPES:
-            raise ValueError(f"kv dtype {self.dtype!r} is not one of {sorted(KV_DTYPES)}")
-        for name in ("layers", "kv_heads", "head_dim", "num_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"kv {name} must be >= 1, got {getattr(self, name)}")
-        want = (2 * self.layers * self.kv_heads * self.num_tokens * self.head_dim
-                * KV_DTYPES[self.dtype])
+        want = _kv_bytes(self)
         if len(self.data) != want:
             raise ValueError(
                 f"kv data holds {len(self.data)} bytes; {self.layers} layers x 2 x "
@@ -175,7 +184,7 @@ class KvCache(_Msg, tag="kv"):
                 f"take {want}")
 
 
-class KvRef(_Msg, tag="kvref"):
+class KvRef(_KvShape, tag="kvref"):
     """Where a migrated trajectory's attention cache waits: the source worker's KV plane.
 
     The destination fetches it from ``endpoint`` (:class:`KvFetch` with ``token``) and
@@ -187,12 +196,6 @@ class KvRef(_Msg, tag="kvref"):
     endpoint: str
     trajectory_id: str
     token: str
-    engine: str
-    dtype: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    num_tokens: int
     nbytes: int
     digest: str
 
@@ -200,13 +203,7 @@ class KvRef(_Msg, tag="kvref"):
         if not self.endpoint.startswith(("tcp://", "inproc://")):
             raise ValueError(f"kv endpoint {self.endpoint!r} is not a tcp:// or inproc:// "
                              "address")
-        if self.dtype not in KV_DTYPES:
-            raise ValueError(f"kv dtype {self.dtype!r} is not one of {sorted(KV_DTYPES)}")
-        for name in ("layers", "kv_heads", "head_dim", "num_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"kv {name} must be >= 1, got {getattr(self, name)}")
-        want = (2 * self.layers * self.kv_heads * self.num_tokens * self.head_dim
-                * KV_DTYPES[self.dtype])
+        want = _kv_bytes(self)
         if self.nbytes != want:
             raise ValueError(f"kv ref says {self.nbytes} bytes; its shape takes {want}")
         if len(self.digest) != 32 or any(c not in "0123456789abcdef" for c in self.digest):
