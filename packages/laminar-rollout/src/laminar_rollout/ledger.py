@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from laminar_common.codec import ConversationState, KvCache, PromptTask, SamplingSpec
+from laminar_common.codec import ConversationState, KvCache, KvRef, PromptTask, SamplingSpec
 from laminar_common.data.records import Record
 
 __all__ = ["TrajectoryLedger", "Entry", "PENDING", "DISPATCHED", "DONE", "ACKED", "REJECTED"]
@@ -64,9 +64,10 @@ class Entry:
     partial_version: int = -1
     partial_conversation: ConversationState | None = None
     """A multi-turn trajectory's state at its export (its tokens hold tool results)."""
-    partial_kv: KvCache | None = None
+    partial_kv: KvCache | KvRef | None = None
     """The attention cache exported with exactly ``partial_tokens`` (repack's KV
-    transfer): sent with the next dispatch only, then dropped."""
+    transfer), or where it waits on the source worker (the KV plane): sent with the next
+    dispatch only, then dropped."""
     reason: str = ""
 
 
