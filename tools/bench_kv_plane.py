@@ -58,8 +58,7 @@ def _task(i: int, blob: KvCache | None) -> PromptTask:
 def _source_plane(mb: float, count: int, conn) -> None:
     from laminar_rollout.kv_plane import KvPlane
 
-    plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=2**40, hold_s=600,
-                    max_cache_bytes=2**40).start()
+    plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=2**40, hold_s=600).start()
     conn.send([plane.offer(f"p{i}#0", _cache(mb, i)) for i in range(count)])
     conn.recv()  # done
     plane.close()
@@ -165,7 +164,7 @@ def main() -> None:
         n = max(2, args.count // 2)
         d = bench_direct(mb, n)
         print(f"{mb:>6.0f}MB  {mb * n / d:>12,.0f} {1000 * d / n:>9.1f}  "
-              f"{'(over 32 MiB)':>13} {'':>9}  {'':>14}")
+              f"{'(over 32 MiB)' if mb > 32 else '(not run)':>13} {'':>9}  {'':>14}")
 
 
 if __name__ == "__main__":

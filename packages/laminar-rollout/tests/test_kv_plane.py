@@ -36,8 +36,7 @@ def _blob(num_tokens: int = 4, fill: int = 1) -> KvCache:
 
 @pytest.fixture
 def plane():
-    p = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=MB, hold_s=30.0,
-                max_cache_bytes=MB).start()
+    p = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=MB, hold_s=30.0).start()
     yield p
     p.close()
 
@@ -88,8 +87,7 @@ def test_what_comes_must_be_what_the_ref_names(plane):
 
 
 def test_caches_expire_and_the_oldest_is_evicted_over_budget():
-    plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=3000, hold_s=0.3,
-                    max_cache_bytes=MB).start()
+    plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=3000, hold_s=0.3).start()
     try:
         a = plane.offer("a", _blob(num_tokens=4))  # 1,024 bytes each
         b = plane.offer("b", _blob(num_tokens=4))
@@ -241,8 +239,7 @@ import sys
 import msgspec
 from laminar_common.codec import KvCache
 from laminar_rollout.kv_plane import KvPlane
-plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=2**20, hold_s=60,
-                max_cache_bytes=2**20).start()
+plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=2**20, hold_s=60).start()
 blob = KvCache(engine="TorchEngine", dtype="float32", layers=2, kv_heads=2, head_dim=8,
                num_tokens=4, data=bytes(1024))
 sys.stdout.write(msgspec.json.encode(plane.offer("p3#0", blob)).decode() + "\\n")
@@ -287,8 +284,7 @@ def test_with_auth_only_a_peer_holding_the_job_s_keys_gets_a_cache(tmp_path):
     other = CurveAuth.from_dir(create_keys(tmp_path / "other"))
     intruder = CurveAuth(job.server_public, None, other.client_public, other.client_secret,
                          frozenset())
-    plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=MB, hold_s=30.0,
-                    max_cache_bytes=MB, auth=job).start()
+    plane = KvPlane("tcp://127.0.0.1:*", "src", max_bytes=MB, hold_s=30.0, auth=job).start()
     try:
         ref = plane.offer("p4#0", _blob())
         before = refusals()["unauthorized-key"]

@@ -213,7 +213,7 @@ class KvRef(_KvShape, tag="kvref"):
 
     def describes(self, blob: KvCache) -> str | None:
         """Why ``blob`` is not the cache this names (None: it is)."""
-        for name in ("engine", "dtype", "layers", "kv_heads", "head_dim", "num_tokens"):
+        for name in _KvShape.__struct_fields__:
             if getattr(blob, name) != getattr(self, name):
                 return (f"{name} {getattr(blob, name)!r} where the ref says "
                         f"{getattr(self, name)!r}")

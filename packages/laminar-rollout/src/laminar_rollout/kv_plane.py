@@ -17,6 +17,7 @@ checks and CURVE when auth is on); the worker's loop only calls :meth:`KvPlane.o
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import secrets
 import threading
@@ -59,14 +60,13 @@ class KvPlane:
     """
 
     def __init__(self, endpoint: str, member_id: str, *, max_bytes: int, hold_s: float,
-                 max_cache_bytes: int, advertise=None, auth: CurveAuth | None = None) -> None:
+                 advertise=None, auth: CurveAuth | None = None) -> None:
         self.member_id = member_id
         self.max_bytes = max_bytes
         self.hold_s = hold_s
         self._bind = endpoint
         self._advertise = advertise or (lambda e: e)
         self._auth = auth
-        self._max_frame = max_cache_bytes + FRAME_SLACK_BYTES
         self._held: collections.OrderedDict[str, _Held] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -115,14 +115,13 @@ class KvPlane:
             self.counters["offered"] += 1
         return ref
 
-    def _drop(self, tid: str, counter: str | None) -> _Held | None:
+    def _drop(self, tid: str, counter: str | None) -> None:
         held = self._held.pop(tid, None)
         if held is not None:
             self._bytes -= len(held.blob.data)
             if counter is not None:
                 self.counters[counter] += 1
                 log.info("KV cache of %s %s (not fetched)", tid, counter)
-        return held
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -182,7 +181,7 @@ class KvPlane:
             self.counters["rejected_frames"] += server.stats.rejected_total
 
 
-_fetch_seq = iter(range(1 << 62))
+_fetch_seq = itertools.count()
 
 
 def fetch_kv(ref: KvRef, member_id: str, *, timeout_s: float, max_cache_bytes: int,

@@ -191,8 +191,8 @@ class WorkerService(Service):
             self.kv_plane = KvPlane(
                 self.config.kv_listen or where.tcp(self.config.kv_port), self.worker_id,
                 max_bytes=int(self.config.kv_hold_max_mb * 2**20),
-                hold_s=self.config.kv_hold_s, max_cache_bytes=self._kv_limit(),
-                advertise=where.advertised, auth=self._curve).start()
+                hold_s=self.config.kv_hold_s, advertise=where.advertised,
+                auth=self._curve).start()
             log.info("KV plane at %s", self.kv_plane.endpoint)
         self._connect_manager()
         # Ready once the manager welcomed us: the launcher and tests wait on this record.
@@ -200,10 +200,13 @@ class WorkerService(Service):
             **extra, Extra.READY: "1", Extra.VERSION: str(self.engine.weight_version)}))
         self.spawn(self._loop, "loop")
 
+    def _kv_transfer(self) -> bool:
+        """Whether exported trajectories take their cache along."""
+        return self.config.kv_transfer_max_mb > 0 and self.engine.supports_kv_transfer
+
     def _direct_kv(self) -> bool:
         """Whether exported caches wait here for their destination (see ``kv_plane``)."""
-        return self.config.kv_plane == "direct" and self.config.kv_transfer_max_mb > 0 and \
-            self.engine.supports_kv_transfer
+        return self.config.kv_plane == "direct" and self._kv_transfer()
 
     def _kv_limit(self) -> int:
         return int(self.config.kv_transfer_max_mb * 2**20)
@@ -515,8 +518,9 @@ class WorkerService(Service):
                 self._refuse_kv(msg, "this worker's engine takes no KV cache"
                                 if msg.resume_token_ids else "the task resumes no tokens")
                 msg = msgspec.structs.replace(msg, kv=None)
-            if isinstance(msg.kv, codec.KvRef) and self._kv_unfit(msg.kv) is not None:
-                self._refuse_kv(msg, f"not fetched: {self._kv_unfit(msg.kv)}")
+            unfit = self._kv_unfit(msg.kv) if isinstance(msg.kv, codec.KvRef) else None
+            if unfit is not None:
+                self._refuse_kv(msg, f"not fetched: {unfit}")
                 msg = msgspec.structs.replace(msg, kv=None)
             if isinstance(msg.kv, codec.KvRef):
                 self._fetch_kv(msg)
@@ -720,7 +724,7 @@ class WorkerService(Service):
         # It takes its cache along; a conversation's covers its turns so far, tool results
         # included (the destination continues the same tokens: its prompt ids and
         # resumed tokens travel as they are, never rendered again).
-        with_kv = self.config.kv_transfer_max_mb > 0 and self.engine.supports_kv_transfer
+        with_kv = self._kv_transfer()
         limit = self._kv_limit()
         for req in (self.engine.export_with_kv(wanted, max_bytes=limit) if with_kv
                     else self.engine.export(wanted)):
