@@ -18,6 +18,31 @@ from laminar_common.launch.processes import ChildProcess
 from laminar_common.membership import MemberRecord
 
 
+def pytest_collection_modifyitems(config, items):
+    """Longest tests first (``@pytest.mark.cost(seconds)``, as measured on a 2-core
+    machine; unmarked tests count 0, in file order). tox runs this suite on two
+    pytest-xdist workers (``--dist loadgroup --no-loadscope-reorder``), which take work
+    in this order, so the long jobs start at once and the short ones fill in behind."""
+    def cost(item) -> float:
+        mark = item.get_closest_marker("cost")
+        return float(mark.args[0]) if mark else 0.0
+
+    items.sort(key=cost, reverse=True)
+
+
+@pytest.fixture(autouse=True)
+def _xdist_group_took(request):
+    """With ``--dist loadgroup``, xdist keeps an ``xdist_group``'s tests on one worker by
+    suffixing their node ids with the group; pytest 9.2 silently undid that
+    (pytest-dev/pytest-xdist#1386), which splits a module fixture or runs two Ray
+    clusters at once. A grouped test whose group did not take fails, not quietly."""
+    item = request.node
+    if getattr(request.config.option, "loadgroup", False) and \
+            item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+        pytest.fail(f"xdist_group did not take for {item.nodeid}: pytest-xdist cannot "
+                    f"group tests with pytest {pytest.__version__} (tox.ini pins it below 9.2)")
+
+
 @pytest.fixture
 def etcd():
     server = LocalEtcd().start()

@@ -17,6 +17,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import read_steps, tier_args, wait_ready, wait_until
 from laminar_common.etcd import EtcdCoordinator
 
@@ -44,6 +46,7 @@ def _max_gap(rows: list[dict], since: float, until: float) -> float:
     return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
+@pytest.mark.cost(37)
 def test_kill_each_tier_in_turn_nothing_lost_nothing_twice(etcd, spawn, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"sort {i}=", "task": "sort",

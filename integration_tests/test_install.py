@@ -28,6 +28,10 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+# One pytest-xdist worker runs this file's tests (the "install" group): they share a
+# module fixture.
+pytestmark = pytest.mark.xdist_group("install")
+
 ROOT = Path(__file__).resolve().parents[1]
 DISTS = ("laminar-common", "laminar-relay", "laminar-rollout", "laminar-trainer")
 TORCH_PIN = "torch==2.13.0"

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from laminar_common.etcd import EtcdCoordinator
@@ -54,6 +55,8 @@ def _pids_with(fragment: str) -> list[int]:
     return pids
 
 
+@pytest.mark.cost(60)
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time on this machine
 def test_laminar_up_ray_backend_restarts_killed_replicas_and_the_trainer_resumes(tmp_path):
     import os
     import signal

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import laminar_up, run_to_end
@@ -24,6 +25,7 @@ MIN_GAIN = 0.10
 STEPS = 12  # the suite's time: +33.6 points after 20 steps, train reward 0.54 at step 11
 
 
+@pytest.mark.cost(138)
 def test_math_job_runs_a_verl_parquet_unchanged_and_raises_held_out_accuracy(tmp_path):
     job = yaml.safe_load((REPO / "examples" / "math.yaml").read_text())
     job["run_dir"] = str(tmp_path / "run")

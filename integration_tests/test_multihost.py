@@ -41,6 +41,11 @@ from laminar_common.launch.processes import ChildProcess
 from laminar_common.launch.readiness import wait_ready
 from laminar_common.roles import Extra
 
+# One pytest-xdist worker runs this file's tests and the launcher's Ray test (the "ray"
+# group): they share a module fixture, and one Ray cluster at a time runs on this machine.
+# The cost is the file's (so its tests stay together, in file order).
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.cost(150)]
+
 HOSTS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
 STEPS = 6
 GROUPS, GROUP_SIZE = 4, 4

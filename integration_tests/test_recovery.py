@@ -26,6 +26,8 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import metric_value, read_steps, scrape_metrics, tier_args, wait_ready, wait_until
 from laminar_common.etcd import EtcdCoordinator
 
@@ -244,6 +246,7 @@ def test_full_buffer_and_stale_drops_lose_nothing(etcd, spawn, tmp_path):
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.cost(77)
 def test_chaos_soak_short_run_keeps_exactly_once(tmp_path):
     """tools/chaos.py itself, briefly: faults every few seconds on the real stack
     (simulated engine and step), then its exactly-once check from the trainer's

@@ -21,6 +21,10 @@ from laminar_common.launch.processes import ChildProcess
 from laminar_common.relay.client import RelayClient
 from laminar_common.relay.wire import MASTER_ELECTION, RELAY_ROLE, VersionNotFoundError
 
+# One pytest-xdist worker runs this file's tests (the "relay_chain" group): they share a
+# module fixture.
+pytestmark = pytest.mark.xdist_group("relay_chain")
+
 TTL = 2
 SIZE = 4 * 1024 * 1024 + 321
 _jobs = itertools.count()

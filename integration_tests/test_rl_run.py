@@ -28,12 +28,17 @@ from laminar_common.etcd import EtcdCoordinator
 from laminar_common.relay.client import RelayClient
 from laminar_trainer.export import export_model
 
+# One pytest-xdist worker runs this file's tests (the "rl_run" group): they share a
+# module fixture.
+pytestmark = pytest.mark.xdist_group("rl_run")
+
 REPO = Path(__file__).resolve().parents[1]
 MIN_GAIN = 0.20
 
 
 
 
+@pytest.mark.cost(63)
 def test_demo_job_raises_held_out_accuracy_by_twenty_points(tmp_path):
     job = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
     job["run_dir"] = str(tmp_path / "run")

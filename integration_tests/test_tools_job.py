@@ -18,6 +18,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import consumed_ids, laminar_up, run_to_end
@@ -35,6 +36,7 @@ def _tooluse():
     return module
 
 
+@pytest.mark.cost(233)
 def test_tools_job_learns_to_call_the_python_tool(tmp_path):
     job = yaml.safe_load((REPO / "examples" / "tools.yaml").read_text())
     job["run_dir"] = str(tmp_path / "run")
