@@ -365,7 +365,11 @@ def compare_settings(s: JobSettings, lam: dict, trls: list[dict]) -> tuple[list[
     differences = [
         f"on/off-policy: Laminar runs mode {s.mode} (max_staleness {s.max_staleness}; "
         f"trajectories by staleness {{{hist}}}), corrected by {loss['correction']} PPO"
-        + (f" (importance weight min(pi_prox / mu, {loss['tis_cap']}))"
+        + (f" (importance weight min(pi_prox / mu, {loss['tis_cap']}); pi_prox "
+           + ("recomputed by a forward at the step's start"
+              if loss.get("proximal", "recompute") == "recompute" else
+              "interpolated log-linearly between mu and pi by version, no forward "
+              "(loss.proximal loglinear)") + ")"
            if loss["correction"] == "decoupled" else "")
         + "; TRL is synchronous and on-policy: each generation batch is sampled by the "
         "current weights, then trained on, with no behaviour-policy correction",

@@ -21,6 +21,7 @@ from laminar_trainer.buffer import Group
 from laminar_trainer.config import TrainerConfig
 from laminar_trainer.step import (
     _shuffled,
+    loglinear_proximal,
     make_optimizer,
     overlong_penalty,
     train_step,
@@ -80,8 +81,10 @@ def _record_grads(optimizer, table) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return seen
 
 
-def _expected_ppo_grad(weights, start, groups, cfg, n_tokens: int) -> torch.Tensor:
-    """Decoupled PPO token-mean gradient by hand, for one-token completions."""
+def _expected_ppo_grad(weights, start, groups, cfg, n_tokens: int, proximal=None
+                       ) -> torch.Tensor:
+    """Decoupled PPO token-mean gradient by hand, for one-token completions; ``proximal``
+    (trajectory -> log-prob), or the start weights' log-prob."""
     grad = torch.zeros(V, V, dtype=torch.float64)
     low, high = 1 - cfg.loss.clip_low, 1 + cfg.loss.clip_high
     for g in groups:
@@ -92,7 +95,7 @@ def _expected_ppo_grad(weights, start, groups, cfg, n_tokens: int) -> torch.Tens
         for t in trajs:
             row, tok = t.prompt_token_ids[0], t.response_token_ids[0]
             adv = (t.reward - mean) / (std + 1e-6)
-            prox = _logp(start, row, tok)
+            prox = proximal(t) if proximal else _logp(start, row, tok)
             ratio = math.exp(_logp(weights, row, tok) - prox)
             weight = min(math.exp(prox - t.behaviour_logprobs[0]), cfg.loss.tis_cap)
             clipped = (adv > 0 and ratio > high) or (adv < 0 and ratio < low)
@@ -349,6 +352,68 @@ def test_no_forward_is_wasted_on_the_proximal_log_probs():
         # one forward per update, plus one without a graph for every mini-batch but the
         # first (the first update's own forward is at the proximal weights)
         assert len(calls) == expected, (mini, epochs, len(calls))
+
+
+@pytest.mark.parametrize(("staleness", "lr", "shift"),
+                         [(1, 0.02, 0.3), (1, 1.0, 0.3), (0, 0.02, 0.3), (3, 0.3, 0.3),
+                          (1, 0.02, 1.0), (3, 0.02, 1.0)])
+def test_loglinear_proximal_matches_the_hand_gradient_without_a_proximal_forward(
+        staleness, lr, shift):
+    """AReaL's loglinear proximal: the first update's forward is exact; every other
+    mini-batch interpolates, at its first update, between the behaviour log-prob and the
+    current one with a = s / (s + u / U), and keeps that for its later epochs. (Below the
+    cap and the clip, weight x ratio is pi / mu whatever the proximal: ``shift`` 1.0 puts
+    the importance weight over its cap of 2, where the proximal shows.)"""
+    model = Bigram()
+    start = model.table.detach().clone()
+    groups = [_group("a", 0, [(1, 1.0), (2, 0.0)], start, shift=shift),
+              _group("b", 3, [(1, 0.0), (4, 1.0)], start, shift=shift)]
+    cfg = _cfg(optim={"lr": lr, "mini_batches": 2, "epochs": 2},
+               loss={"proximal": "loglinear"})
+    opt, sched = make_optimizer(model, cfg.optim, 10)
+    seen = _record_grads(opt, model.table)
+    calls: list[int] = []
+    model.register_forward_hook(lambda _m, args, _out: calls.append(1))
+    result = train_step(model, opt, sched, groups, cfg, version=staleness)  # trained at v0
+    assert len(seen) == 4 and len(calls) == 4  # one forward per update, none for proximal
+    alpha = staleness / (staleness + 1 / 4)  # group b's first update is update 1 of 4
+
+    def b_proximal(t):
+        row, tok = t.prompt_token_ids[0], t.response_token_ids[0]
+        mu = t.behaviour_logprobs[0]
+        return mu + alpha * (_logp(seen[1][0], row, tok) - mu)
+
+    for k, ((weights, grad), group) in enumerate(zip(seen, groups * 2)):
+        expected = _expected_ppo_grad(weights, start, [group], cfg, n_tokens=2,
+                                      proximal=b_proximal if group is groups[1] else None)
+        assert torch.allclose(grad.double(), expected, atol=1e-6), k
+    assert all(math.isfinite(v) for v in result.stats.values())
+
+
+def test_loglinear_proximal_by_hand():
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0]])
+    current = torch.tensor([[-0.5, -1.0], [-0.5, -1.0], [-0.5, -1.0]], requires_grad=True)
+    out = loglinear_proximal(old, current, torch.tensor([0, 1, 3]), 0.5)
+    assert not out.requires_grad  # a constant of the loss, like a recomputed one
+    assert torch.allclose(out[0], old[0])  # generated at the step's start weights
+    assert torch.allclose(out[1], old[1] + (1 / 1.5) * (current[1].detach() - old[1]))
+    assert torch.allclose(out[2], old[2] + (3 / 3.5) * (current[2].detach() - old[2]))
+    with pytest.raises(ValueError, match="moved must be > 0"):
+        loglinear_proximal(old, current, torch.tensor([1, 1, 1]), 0.0)
+
+
+def test_loglinear_proximal_is_refused_where_it_cannot_hold():
+    with pytest.raises(ValueError, match="loss.proximal: loglinear approximates decoupled"):
+        _cfg(loss={"proximal": "loglinear", "correction": "tis"})
+    with pytest.raises(ValueError, match="publish_every is 2, must be 1"):
+        _cfg(loss={"proximal": "loglinear"}, publish_every=2)
+    model = Bigram()
+    groups = [_group("a", 0, [(1, 1.0), (2, 0.0)], model.table.detach()),
+              _group("b", 3, [(1, 0.0), (4, 1.0)], model.table.detach())]
+    cfg = _cfg(optim={"mini_batches": 2}, loss={"proximal": "loglinear"})
+    opt, sched = make_optimizer(model, cfg.optim, 10)
+    with pytest.raises(ValueError, match="needs the weights' version"):
+        train_step(model, opt, sched, groups, cfg)
 
 
 def test_tool_tokens_are_context_never_trained():

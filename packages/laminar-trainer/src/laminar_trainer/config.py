@@ -84,6 +84,15 @@ class LossConfig(LaminarModel):
     """Off-policy correction against the behaviour log-probs."""
     tis_cap: float = Field(default=2.0, ge=1)
     """Truncation of the importance weight."""
+    proximal: Literal["recompute", "loglinear"] = "recompute"
+    """Where decoupled PPO's proximal log-probs (the weights at the step's start) come from
+    for the step's second and later updates (the first update's own forward is exact):
+    ``recompute``, a no-grad forward over those mini-batches before the first update;
+    ``loglinear`` (AReaL's ``prox_logp_method: loglinear``), no forward: interpolated in
+    log space between the behaviour log-probs and the current ones by policy version,
+    ``log mu + a (log pi - log mu)`` with ``a = s / (s + u / U)`` for a trajectory ``s``
+    versions stale at update ``u`` of ``U`` (``s = 0``: the behaviour log-probs). Needs
+    ``correction: decoupled`` and ``publish_every: 1``."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                          "seq-mean-token-sum-norm"] = "token-mean"
     """How token losses are reduced over a mini-batch (exactly, across micro-batches and
@@ -117,6 +126,13 @@ class LossConfig(LaminarModel):
         if defaults is None:
             return data  # an unknown algorithm: the field's own error names it
         return {**defaults, **data}
+
+    @model_validator(mode="after")
+    def _proximal_needs_decoupled(self) -> LossConfig:
+        if self.proximal == "loglinear" and self.correction != "decoupled":
+            raise ValueError(f"loss.proximal: loglinear approximates decoupled PPO's proximal "
+                             f"log-probs; loss.correction is {self.correction!r}")
+        return self
 
 
 class OptimConfig(LaminarModel):
@@ -355,6 +371,9 @@ class TrainerConfig(ListenConfig):
         if self.batch_groups % self.optim.mini_batches:
             raise ValueError(f"optim.mini_batches ({self.optim.mini_batches}) must divide "
                              f"batch_groups ({self.batch_groups})")
+        if self.loss.proximal == "loglinear" and self.publish_every != 1:
+            raise ValueError(f"loss.proximal: loglinear counts staleness in versions of one "
+                             f"step each; publish_every is {self.publish_every}, must be 1")
         return self
 
     @property

@@ -175,10 +175,11 @@ class DistContext:
 
     # -- rank 0's side of each command (the followers' side is run_follower) --------
 
-    def send_step(self, groups: list[Group]) -> list[Group]:
-        """Rank 0: send a step's groups to every rank; returns them (every rank trains
-        on the whole list: ``train_step`` takes each rank's share of every mini-batch)."""
-        self.send_command(Command.STEP, encode_groups(groups))
+    def send_step(self, groups: list[Group], version: int = 0) -> list[Group]:
+        """Rank 0: send a step's groups (and the weights' version at the step's start) to
+        every rank; returns them (every rank trains on the whole list: ``train_step``
+        takes each rank's share of every mini-batch)."""
+        self.send_command(Command.STEP, encode_groups(groups), version)
         return groups
 
     def gather_for_publish(self, model: torch.nn.Module, dtype: torch.dtype | None = None

@@ -212,7 +212,8 @@ def run_follower(cfg: TrainerConfig, ctx: DistContext) -> int:
         command, payload, arg = ctx.recv_command()
         if command == Command.STEP:
             train_step(training.model, training.optimizer, training.scheduler,
-                       decode_groups(payload), cfg, ref_model=training.ref_model, dist=ctx)
+                       decode_groups(payload), cfg, ref_model=training.ref_model, dist=ctx,
+                       version=arg)
             steps += 1
         elif command == Command.GATHER:
             ctx.gather_tensors(training.model)

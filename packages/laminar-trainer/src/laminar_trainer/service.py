@@ -521,11 +521,11 @@ class TrainerService(Service):
         t0 = time.monotonic()
         if self.model is not None and self.dist is not None:
             result = train_step(self.model, self.optimizer, self.scheduler,
-                                self.dist.send_step(groups), cfg, ref_model=self.ref_model,
-                                dist=self.dist)
+                                self.dist.send_step(groups, self.version), cfg,
+                                ref_model=self.ref_model, dist=self.dist, version=self.version)
         elif self.model is not None:
             result = train_step(self.model, self.optimizer, self.scheduler, groups, cfg,
-                                ref_model=self.ref_model)
+                                ref_model=self.ref_model, version=self.version)
         else:
             time.sleep(cfg.simulate.step_s)
             result = StepResult.simulated(groups)

@@ -313,12 +313,13 @@ def _no_grad_logprobs(model, micro: _Micro, cfg, device) -> torch.Tensor:
 
 
 def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=None,
-               dist=None) -> StepResult:
+               dist=None, version: int | None = None) -> StepResult:
     """The step's optimizer updates over ``groups`` (see the module docstring).
 
     With ``dist`` (a ``laminar_trainer.distributed.DistContext`` of an FSDP model),
     ``groups`` is the whole step (every rank gets the same list) and each rank trains
-    on its share; every rank returns the same numbers.
+    on its share; every rank returns the same numbers. ``version``: the weights' version
+    at the step's start, which ``loss.proximal: loglinear`` measures staleness against.
 
     Returns:
         ``StepResult``: ``loss`` is the mean of the updates' losses; ``stats`` holds the
@@ -345,7 +346,10 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     loss_cfg = cfg.loss
     updates = cfg.optim.mini_batches * cfg.optim.epochs
     keep_proximal = updates > 1 and loss_cfg.correction == "decoupled"
-    if keep_proximal:
+    loglinear = keep_proximal and loss_cfg.proximal == "loglinear"
+    if loglinear and version is None:
+        raise ValueError("loss.proximal: loglinear needs the weights' version (version=)")
+    if keep_proximal and not loglinear:
         # The first mini-batch's first update runs at the proximal weights: its own
         # forward gives them (kept for its later epochs), so only the others need one.
         for micros, _, _ in plan[1:]:
@@ -361,13 +365,16 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     losses: list[float] = []
     norms: list[float] = []
     skipped = 0
+    update = 0
     for _epoch in range(cfg.optim.epochs):
         for micros, denominator, norm in plan:
             optimizer.zero_grad(set_to_none=True)
             update_loss = 0.0
+            # loglinear: the weights have moved `update` of the step's `updates` so far.
+            at = (version, update / updates) if loglinear and update else None
             for micro in micros:
                 update_loss += _micro_step(model, micro, denominator, norm, world, cfg, device,
-                                           stats, keep_proximal)
+                                           stats, keep_proximal, at)
             if dist is not None:
                 update_loss = dist.all_reduce([update_loss], "sum")[0]
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -383,6 +390,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
                 skipped += 1
             losses.append(update_loss)
             norms.append(grad_norm)
+            update += 1
     scheduler.step()
     out = stats.reduce(dist)
     out["skipped_nonfinite"] = float(skipped)
@@ -397,18 +405,43 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
                       sum(len(t.response_token_ids) for t in trajs_all), out)
 
 
+def loglinear_proximal(old: torch.Tensor, current: torch.Tensor, staleness: torch.Tensor,
+                       moved: float) -> torch.Tensor:
+    """Decoupled PPO's proximal log-probs without a forward (AReaL's ``loglinear``):
+    ``old + a (current - old)`` per row, ``a = s / (s + moved)``, where ``s`` (``[B]``)
+    is how many versions (steps) before the step's start each row was generated and
+    ``moved`` how far into the step (in steps, > 0) the ``current`` weights are. A row
+    generated at the step's start weights (``s = 0``) gets its behaviour log-probs.
+    """
+    if moved <= 0:
+        raise ValueError(f"moved must be > 0 (the first update has exact proximal "
+                         f"log-probs), got {moved}")
+    s = staleness.to(current.dtype).clamp(min=0)[:, None]
+    alpha = s / (s + moved)
+    return (old + alpha * (current.detach() - old)).detach()
+
+
 def _micro_step(model, micro: _Micro, denominator: float, norm: float | None, world: int, cfg,
-                device, stats: _Stats, keep_proximal: bool) -> float:
+                device, stats: _Stats, keep_proximal: bool,
+                loglinear_at: tuple[int, float] | None = None) -> float:
     """Forward and backward of one micro-batch; returns its share of the update's loss.
     ``keep_proximal``: a micro-batch without proximal log-probs is at the proximal
-    weights now, and keeps this forward's for its later updates."""
+    weights now, and keeps this forward's for its later updates; with ``loglinear_at``
+    (the step's start version, how far the weights have moved in steps), it is not,
+    and keeps their interpolation (``loglinear_proximal``) instead."""
     loss_cfg = cfg.loss
     with autocast(device, cfg.dtype):
         logprobs, entropy = compute_token_logprobs_and_entropy(
             model, micro.input_ids, micro.attention, micro.temperatures,
             entropy_grad=loss_cfg.entropy_coef > 0)
     if keep_proximal and micro.proximal is None:
-        micro.proximal = logprobs.detach()
+        if loglinear_at is None:
+            micro.proximal = logprobs.detach()
+        else:
+            version, moved = loglinear_at
+            staleness = torch.tensor([version - t.policy_version for t in micro.trajs],
+                                     device=logprobs.device)
+            micro.proximal = loglinear_proximal(micro.old, logprobs, staleness, moved)
     adv = micro.advantages[:, None].expand_as(logprobs)
     loss, step_stats = compute_policy_loss(
         logprobs, micro.old, adv, micro.mask, clip_low=loss_cfg.clip_low,
