@@ -367,7 +367,7 @@ def compare_settings(s: JobSettings, lam: dict, trls: list[dict]) -> tuple[list[
         f"trajectories by staleness {{{hist}}}), corrected by {loss['correction']} PPO"
         + (f" (importance weight min(pi_prox / mu, {loss['tis_cap']}); pi_prox "
            + ("recomputed by a forward at the step's start"
-              if loss.get("proximal", "recompute") == "recompute" else
+              if loss["proximal"] == "recompute" else
               "interpolated log-linearly between mu and pi by version, no forward "
               "(loss.proximal loglinear)") + ")"
            if loss["correction"] == "decoupled" else "")

@@ -365,13 +365,12 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     losses: list[float] = []
     norms: list[float] = []
     skipped = 0
-    update = 0
     for _epoch in range(cfg.optim.epochs):
         for micros, denominator, norm in plan:
             optimizer.zero_grad(set_to_none=True)
             update_loss = 0.0
-            # loglinear: the weights have moved `update` of the step's `updates` so far.
-            at = (version, update / updates) if loglinear and update else None
+            # loglinear: the weights have moved len(losses) of the step's updates so far.
+            at = (version, len(losses) / updates) if loglinear and losses else None
             for micro in micros:
                 update_loss += _micro_step(model, micro, denominator, norm, world, cfg, device,
                                            stats, keep_proximal, at)
@@ -390,7 +389,6 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
                 skipped += 1
             losses.append(update_loss)
             norms.append(grad_norm)
-            update += 1
     scheduler.step()
     out = stats.reduce(dist)
     out["skipped_nonfinite"] = float(skipped)
