@@ -209,11 +209,21 @@ def trl_spec(s: JobSettings, seed: int, output_dir: Path, threads: int) -> dict:
     }
 
 
-def run_laminar(s: JobSettings, overrides: list[str], log_path: Path) -> dict:
-    """``laminar up`` the job; its figures from the trainer's metrics and summary."""
+def run_laminar(s: JobSettings, overrides: list[str], log_path: Path,
+                steps: int | None = None) -> dict:
+    """``laminar up`` the job; its figures from the trainer's metrics and summary.
+
+    ``steps`` above the job's ``total_steps`` N lets the trainer go on to that many steps
+    (the LR schedule's first N steps are the same: it must be constant after warm-up):
+    the N-step window, its tokens and its held-out accuracy (the in-loop eval at step N)
+    come from the first N steps; the evals of the later steps only extend the run's
+    accuracy-over-time (``evals``, ``eval_final``)."""
     from laminar_common.launch.report import load_metrics
 
+    steps = steps or s.total_steps
     argv = [sys.executable, "-m", "laminar_common.launch.cli", "up", s.job_file]
+    if steps != s.total_steps:
+        overrides = [*overrides, f"tiers.trainer.config.total_steps={steps}"]
     for item in overrides:
         argv += ["--set", item]
     print(f"Laminar: {' '.join(argv[3:])} (log {log_path})", flush=True)
@@ -232,7 +242,14 @@ def run_laminar(s: JobSettings, overrides: list[str], log_path: Path) -> dict:
         raise SystemExit(f"laminar up exited {proc.returncode}; see {log_path}")
     trainer_dir = Path(s.trainer_run_dir)
     rows, summary = load_metrics(trainer_dir)
-    rows = [r for r in rows if r["step"] <= s.total_steps][-s.total_steps:]
+    all_rows = [r for r in rows if r["step"] <= steps][-steps:]
+    rows = all_rows[:s.total_steps]
+    eval_after = summary["eval_after"]
+    if steps != s.total_steps:
+        eval_after = rows[-1].get("eval_accuracy")
+        if eval_after is None:
+            raise SystemExit(f"{log_path}: no held-out eval at step {s.total_steps} of the "
+                             f"{steps}-step run (eval.every_steps must divide total_steps)")
     first = rows[0]
     start = first["time"] - first["wait_s"] - first["step_s"] - first.get("stall_s", 0.0)
     window_s = rows[-1]["time"] - start
@@ -240,11 +257,13 @@ def run_laminar(s: JobSettings, overrides: list[str], log_path: Path) -> dict:
     return {
         "steps": len(rows), "window_s": window_s, "tokens": tokens,
         "tokens_per_s": tokens / window_s, "wall_s": wall_s, "setup_s": setup_s,
-        "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
+        "eval_before": summary["eval_before"], "eval_after": eval_after,
         # "t": from the window's start to the evaluated weights (the row is stamped before
         # the step's eval; earlier evals count, as on TRL's side).
         "evals": [{"step": r["step"], "accuracy": r["eval_accuracy"], "t": r["time"] - start}
-                  for r in rows if r.get("eval_accuracy") is not None],
+                  for r in all_rows if r.get("eval_accuracy") is not None],
+        "steps_run": len(all_rows), "eval_final": summary["eval_after"],
+        "window_all_s": all_rows[-1]["time"] - start,
         "reward_first": first["reward_mean"], "reward_last": rows[-1]["reward_mean"],
         "rewards": [r["reward_mean"] for r in rows], "staleness_hist": summary["staleness_hist"],
         "trainer_idle_fraction": summary["trainer_idle_fraction"],
@@ -280,12 +299,27 @@ def run_trl(trl_python: Path, spec: dict, work: Path) -> dict:
 
 def time_to(run: dict, target: float) -> float | None:
     """Seconds into ``run``'s window until its held-out accuracy first reached ``target``:
-    the evals inside the window, then the final weights at the window's end; None if
-    never (the accuracy before training counts at 0 s)."""
-    points = [(0.0, run["eval_before"])]
-    points += [(e["t"], e["accuracy"]) for e in run.get("evals", []) if "t" in e]
-    points.append((run["window_s"], run["eval_after"]))
-    return next((t for t, acc in sorted(points) if acc >= target - 1e-9), None)
+    the evals inside the window, then the final weights at the end of the run (its last
+    step: the window's end, or later where a Laminar run went on past it); None if never
+    (the accuracy before training counts at 0 s)."""
+    return next((p["t"] for p in accuracy_over_time(run) if p["accuracy"] >= target - 1e-9),
+                None)
+
+
+def accuracy_over_time(run: dict) -> list[dict]:
+    """The run's held-out accuracies in time order: before training (step 0, 0 s), the
+    in-loop evals, and the final weights at the run's last step."""
+    points = [{"step": 0, "accuracy": run["eval_before"], "t": 0.0}]
+    points += [e for e in run.get("evals", []) if "t" in e]
+    points.append({"step": run.get("steps_run", run.get("steps")),
+                   "accuracy": run.get("eval_final", run["eval_after"]),
+                   "t": run.get("window_all_s", run["window_s"])})
+    return sorted(points, key=lambda p: p["t"])
+
+
+def accuracy_at(run: dict, seconds: float) -> float:
+    """The accuracy of the run's last eval at or before ``seconds`` into its window."""
+    return [p for p in accuracy_over_time(run) if p["t"] <= seconds + 1e-9][-1]["accuracy"]
 
 
 def reuse_setup(first_run_dir: Path, run_dir: Path, s: JobSettings) -> None:
@@ -434,7 +468,7 @@ def _mean(values: list[float]) -> float:
 
 
 def report(s: JobSettings, lams: list[dict], trls: list[dict], matched: list[str],
-           differences: list[str]) -> dict:
+           differences: list[str], variant: str = "") -> dict:
     trl = {key: _mean([t[key] for t in trls]) for key in (
         "window_s", "tokens", "tokens_per_s", "eval_before", "eval_after", "process_wall_s",
         "generate_s", "reward_first", "reward_last")}
@@ -442,12 +476,17 @@ def report(s: JobSettings, lams: list[dict], trls: list[dict], matched: list[str
         "window_s", "tokens", "tokens_per_s", "eval_before", "eval_after", "wall_s", "setup_s",
         "reward_first", "reward_last", "train_compute_s", "trainer_idle_fraction")}
     lam_wall_no_setup = lam["wall_s"] - lam["setup_s"]
+    # Laminar runs that went on past the N steps (--laminar-steps): their wall time
+    # covers the later steps too, so it is not set against TRL's.
+    went_on = max(r.get("steps_run", s.total_steps) for r in lams)
     ratios = {"tokens_per_s": lam["tokens_per_s"] / trl["tokens_per_s"],
               "window_s": lam["window_s"] / trl["window_s"],
-              "wall_s_without_setup": lam_wall_no_setup / trl["process_wall_s"]}
+              "wall_s_without_setup": (lam_wall_no_setup / trl["process_wall_s"]
+                                       if went_on == s.total_steps else None)}
     seeds = f" (mean of {len(trls)} seeds)" if len(trls) > 1 else ""
     runs = f" (mean of {len(lams)} runs)" if len(lams) > 1 else ""
-    print(f"\n{Path(s.job_file).name}: {s.total_steps} steps of {s.batch_groups} x "
+    print(f"\n{Path(s.job_file).name}{f' (variant {variant})' if variant else ''}: "
+          f"{s.total_steps} steps of {s.batch_groups} x "
           f"{s.group_size}, {s.optim['mini_batches']} update(s) a step; "
           f"Laminar{runs}, TRL {trls[0]['versions']['trl']}{seeds}")
     print(f"{'':34}{'Laminar':>12}{'TRL':>12}{'Laminar/TRL':>13}")
@@ -460,10 +499,15 @@ def report(s: JobSettings, lams: list[dict], trls: list[dict], matched: list[str
          ratios["window_s"])
     line("tokens in the window", lam["tokens"], trl["tokens"], ".0f")
     line("tokens/s", lam["tokens_per_s"], trl["tokens_per_s"], ".1f", ratios["tokens_per_s"])
-    line("wall without setup (s)", lam_wall_no_setup, trl["process_wall_s"], ".1f",
-         ratios["wall_s_without_setup"])
-    print(f"{'job wall, setup included (s)':34}{lam['wall_s']:>12.1f}{'':>12}"
-          f"   (setup {lam['setup_s']:.1f}s)")
+    if went_on == s.total_steps:
+        line("wall without setup (s)", lam_wall_no_setup, trl["process_wall_s"], ".1f",
+             ratios["wall_s_without_setup"])
+        print(f"{'job wall, setup included (s)':34}{lam['wall_s']:>12.1f}{'':>12}"
+              f"   (setup {lam['setup_s']:.1f}s)")
+    else:
+        print(f"(Laminar went on to {went_on} steps for accuracy over time: its whole wall "
+              f"time, {lam['wall_s']:.1f}s with setup {lam['setup_s']:.1f}s, covers them; the "
+              f"rows here are its first {s.total_steps} steps)")
     line("held-out accuracy before", lam["eval_before"], trl["eval_before"], ".3f")
     line("held-out accuracy after", lam["eval_after"], trl["eval_after"], ".3f")
     line("gain (points)", 100 * (lam["eval_after"] - lam["eval_before"]),
@@ -490,8 +534,19 @@ def report(s: JobSettings, lams: list[dict], trls: list[dict], matched: list[str
     to_target = {"target": target, "laminar": [time_to(r, target) for r in lams],
                  "trl": [time_to(t, target) for t in trls]}
     print(f"time to TRL's final held-out accuracy ({target:.3f}{', the seeds mean' if seeds else ''}"
-          f"; evals every {s.eval['every_steps'] or '-'} steps and the final weights): "
-          f"Laminar {reached(lams)}; TRL {reached(trls)}")
+          f"; evals every {s.eval['every_steps'] or '-'} steps and the final weights"
+          + (f"; Laminar over {went_on} steps" if went_on > s.total_steps else "")
+          + f"): Laminar {reached(lams)}; TRL {reached(trls)}")
+    print("held-out accuracy over time (step: accuracy at seconds into the window):")
+    for name, r in [*((f"Laminar run {i + 1}", r) for i, r in enumerate(lams)),
+                    *((f"TRL seed {t['seed']}", t) for t in trls)]:
+        print(f"  {name}: " + ", ".join(
+            f"{p['step']}: {p['accuracy']:.3f} at {p['t']:.1f}s"
+            for p in accuracy_over_time(r)))
+    at_trl = [accuracy_at(r, trl["window_s"]) for r in lams]
+    print(f"Laminar's held-out accuracy at TRL's mean window ({trl['window_s']:.1f}s; its last "
+          f"eval by then): {', '.join(f'{a:.3f}' for a in at_trl)} (mean "
+          f"{_mean(at_trl):.3f}; TRL's final {target:.3f})")
     print("\nMatched:")
     for item in matched:
         print(f"  - {item}")
@@ -500,6 +555,7 @@ def report(s: JobSettings, lams: list[dict], trls: list[dict], matched: list[str
         print(f"  - {item}")
     return {"job": asdict(s), "laminar_runs": lams, "laminar_mean": lam, "trl_runs": trls,
             "trl_mean": trl, "ratios_laminar_over_trl": ratios, "time_to_trl_final": to_target,
+            "laminar_accuracy_at_trl_window": at_trl,
             "matched": matched, "differences": differences}
 
 
@@ -510,9 +566,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=1, help="TRL runs, seeds 0..N-1")
     p.add_argument("--laminar-runs", type=int, default=1,
                    help="Laminar runs of the job (the later ones reuse the first's set-up)")
+    p.add_argument("--laminar-steps", type=int, default=0, metavar="M",
+                   help="let each Laminar run go on to M steps (> the job's total_steps N; "
+                        "LR schedule constant after warm-up) for its accuracy over time and "
+                        "time to TRL's final accuracy; the N-step figures come from its first "
+                        "N steps (0: stop at N, like TRL)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                    help="job-file override for both sides (repeatable), e.g. "
                         "tiers.trainer.config.total_steps=5")
+    p.add_argument("--laminar-variant", dest="variants", action="append", default=[],
+                   metavar="NAME:A.B=C",
+                   help="also run Laminar with this override (repeat a NAME for several), "
+                        "--laminar-runs times, each reported against the same TRL seeds, "
+                        "e.g. s0:tiers.manager.config.max_staleness=0")
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", str(DEFAULT_TRL_PYTHON)),
                    help="TRL's environment's interpreter (tools/trl_env.sh builds it)")
     p.add_argument("--trl-threads", type=int, default=0,
@@ -532,21 +598,55 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, f"run_dir={work / 'laminar'}"]
     settings = read_job_settings(args.job, overrides)
     trl_loss_settings(settings)  # fail before the runs on a loss TRL cannot express
+    steps = args.laminar_steps or settings.total_steps
+    if steps < settings.total_steps:
+        p.error(f"--laminar-steps {steps} is below the job's total_steps "
+                f"{settings.total_steps}")
+    if steps > settings.total_steps:
+        every = settings.eval["every_steps"]
+        if not every or settings.total_steps % every:
+            p.error(f"--laminar-steps needs a held-out eval at step {settings.total_steps}: "
+                    f"set eval.every_steps to a divisor of it (now {every})")
+        if settings.optim["schedule"] != "constant":
+            p.error("--laminar-steps needs optim.schedule constant (a "
+                    f"{settings.optim['schedule']} schedule would differ over the first "
+                    f"{settings.total_steps} steps)")
     print(f"work dir: {work}", flush=True)
 
-    lams = [run_laminar(settings, overrides, work / "laminar-up.log")]
+    variants: dict[str, list[str]] = {}
+    for item in args.variants:
+        name, sep, override = item.partition(":")
+        if not sep or not name or name == "job" or "=" not in override:
+            p.error(f"--laminar-variant {item!r}: expected NAME:A.B=C (NAME not 'job')")
+        variants.setdefault(name, []).append(override)
+    for extra in variants.values():
+        read_job_settings(args.job, [*args.overrides, *extra])  # refused before any run
+
+    lams = [run_laminar(settings, overrides, work / "laminar-up.log", steps)]
     first_run_dir = Path(settings.run_dir).resolve()
-    for i in range(2, args.laminar_runs + 1):
-        run_overrides = [*args.overrides, f"run_dir={work / f'laminar-{i}'}"]
-        run_settings = read_job_settings(args.job, run_overrides)
-        reuse_setup(first_run_dir, Path(run_settings.run_dir).resolve(), run_settings)
-        lams.append(run_laminar(run_settings, run_overrides, work / f"laminar-up-{i}.log"))
+    runs: dict[str, tuple[JobSettings, list[dict]]] = {"job": (settings, lams)}
+    for name, extra in {"job": [], **variants}.items():
+        for i in range(2 if name == "job" else 1, args.laminar_runs + 1):
+            tag = f"{i}" if name == "job" else f"{name}-{i}"
+            run_overrides = [*args.overrides, *extra, f"run_dir={work / f'laminar-{tag}'}"]
+            run_settings = read_job_settings(args.job, run_overrides)
+            reuse_setup(first_run_dir, Path(run_settings.run_dir).resolve(), run_settings)
+            runs.setdefault(name, (run_settings, []))[1].append(run_laminar(
+                run_settings, run_overrides, work / f"laminar-up-{tag}.log", steps))
     trls = []
     for seed in range(args.seeds):
         spec = trl_spec(settings, seed, work / f"trl-seed{seed}", args.trl_threads)
         trls.append(run_trl(trl_python, spec, work))
     matched, differences = compare_settings(settings, lams[0], trls)
     result = report(settings, lams, trls, matched, differences)
+    for name, (run_settings, variant_runs) in runs.items():
+        if name == "job":
+            continue
+        matched, differences = compare_settings(run_settings, variant_runs[0], trls)
+        result.setdefault("variants", {})[name] = {
+            "overrides": variants[name],
+            **report(run_settings, variant_runs, trls, matched, differences,
+                     variant=f"{name}: {', '.join(variants[name])}")}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"\nwrote {args.out}")
