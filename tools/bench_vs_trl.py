@@ -423,7 +423,13 @@ def compare_settings(s: JobSettings, lam: dict, trls: list[dict]) -> tuple[list[
         f"arrive (completion order, prompts dispatched in "
         f"{'shuffled' if s.data['shuffle'] else 'file'} order); TRL's takes the next "
         f"{s.batch_groups} prompts of the file (shuffle_dataset=False)",
-        ("mini-batches: Laminar shuffles the step's groups (optim.shuffle) and splits them, "
+        (f"mini-batches: Laminar streams them (optim.stream): each of the step's "
+         f"{m} updates starts once its {s.batch_groups // m} groups are complete, in "
+         "arrival order (short answers first), so generating the step's long answers "
+         "overlaps training on its short ones; TRL generates the whole batch, then "
+         "shuffles its completions before splitting"
+         if s.optim.get("stream") else
+         "mini-batches: Laminar shuffles the step's groups (optim.shuffle) and splits them, "
          "whole groups each; TRL shuffles the step's completions before splitting"
          if s.optim.get("shuffle", True) else
          "mini-batches: Laminar splits the step's groups in arrival order (optim.shuffle "

@@ -416,6 +416,75 @@ def test_loglinear_proximal_is_refused_where_it_cannot_hold():
         train_step(model, opt, sched, groups, cfg)
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_streamed_step_equals_the_whole_step_and_waits_for_each_mini_batch(epochs):
+    """optim.stream: the first mini-batch trains at once and each later one is asked for
+    only when its update is due; given the same groups in the same order, the weights
+    and numbers are those of the whole step (shuffle off, loglinear proximal)."""
+    start = Bigram().table.detach().clone()
+    groups = [_group(n, r, [(1, 1.0), (2, 0.0)], start, shift=1.0)
+              for n, r in (("a", 0), ("b", 3), ("c", 4), ("d", 2))]
+    optim = {"lr": 0.3, "mini_batches": 2, "epochs": epochs, "shuffle": False}
+    whole_model, streamed_model = Bigram(), Bigram()
+    cfg = _cfg(batch_groups=4, optim=optim, loss={"proximal": "loglinear"})
+    opt, sched = make_optimizer(whole_model, cfg.optim, 10)
+    whole = train_step(whole_model, opt, sched, groups, cfg, version=1)
+
+    cfg = _cfg(batch_groups=4, optim={**optim, "stream": True},
+               loss={"proximal": "loglinear"})
+    opt, sched = make_optimizer(streamed_model, cfg.optim, 10)
+    updates_before: list[int] = []
+    opt.register_step_post_hook(lambda *_: updates_before.append(0))
+
+    def more(n):
+        asked.append((n, len(updates_before)))
+        return groups[2:2 + n]
+    asked: list[tuple[int, int]] = []
+    streamed = train_step(streamed_model, opt, sched, groups[:2], cfg, version=1, more=more)
+    # asked once, for the second mini-batch's 2 groups, after the first update only
+    assert asked == [(2, 1)]
+    assert torch.allclose(streamed_model.table, whole_model.table, atol=1e-6)
+    assert streamed.loss == pytest.approx(whole.loss, abs=1e-6)
+    assert streamed.tokens == whole.tokens == 8
+    assert streamed.reward_mean == whole.reward_mean
+    assert streamed.stats["updates"] == 2 * epochs
+    for key in ("grad_norm", "clip_fraction", "is_weight_mean", "uniform_group_fraction"):
+        assert streamed.stats[key] == pytest.approx(whole.stats[key], abs=1e-6), key
+
+
+def test_a_streamed_step_ends_early_when_no_more_groups_come():
+    """A trainer stopping mid-step: ``more`` answers []; the step keeps the updates it
+    made and reports the groups it took."""
+    model = Bigram()
+    start = model.table.detach().clone()
+    groups = [_group(n, r, [(1, 1.0), (2, 0.0)], start) for n, r in (("a", 0), ("b", 3))]
+    cfg = _cfg(batch_groups=4, optim={"lr": 0.3, "mini_batches": 2, "shuffle": False,
+                                      "stream": True}, loss={"proximal": "loglinear"})
+    opt, sched = make_optimizer(model, cfg.optim, 10)
+    result = train_step(model, opt, sched, groups, cfg, version=0, more=lambda n: [])
+    assert result.stats["updates"] == 1
+    assert result.tokens == 4
+    assert not torch.equal(model.table, start)  # the first update stands
+
+
+def test_streaming_is_refused_where_it_cannot_hold():
+    with pytest.raises(ValueError, match="set optim.shuffle false"):
+        _cfg(batch_groups=4, optim={"mini_batches": 2, "stream": True},
+             loss={"proximal": "loglinear"})
+    with pytest.raises(ValueError, match="set loss.proximal loglinear"):
+        _cfg(batch_groups=4, optim={"mini_batches": 2, "stream": True, "shuffle": False})
+    # no proximal to compute: one update a step, or no decoupled PPO
+    _cfg(optim={"stream": True, "shuffle": False})
+    _cfg(batch_groups=4, optim={"mini_batches": 2, "stream": True, "shuffle": False},
+         loss={"correction": "tis"})
+    model = Bigram()
+    groups = [_group("a", 0, [(1, 1.0), (2, 0.0)], model.table.detach())]
+    cfg = _cfg(batch_groups=2, optim={"mini_batches": 2, "shuffle": False})
+    opt, sched = make_optimizer(model, cfg.optim, 10)
+    with pytest.raises(ValueError, match="a streamed step runs in one process"):
+        train_step(model, opt, sched, groups, cfg, version=0, more=lambda n: [])
+
+
 def test_tool_tokens_are_context_never_trained():
     """A two-turn trajectory: the model's token, two environment tokens (a tool result),
     the model's token again. The environment tokens' rows get exactly no gradient; the

@@ -53,10 +53,11 @@ class Harness:
         self.manager_coord.register(MemberRecord(member_id="manager", role="manager",
                                                  address="tcp://unused:1",
                                                  extra={"ack": self.acks.endpoint}))
-        self.cfg = TrainerConfig(job=JOB, trainer_id="trainer", model_dir=model_dir,
-                                 run_dir=str(tmp_path / "run"), batch_groups=2,
-                                 checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 2},
-                                 optim={"lr": 1e-3}, **overrides)
+        self.cfg = TrainerConfig(**{
+            "job": JOB, "trainer_id": "trainer", "model_dir": model_dir,
+            "run_dir": str(tmp_path / "run"), "batch_groups": 2,
+            "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 2},
+            "optim": {"lr": 1e-3}, **overrides})
         self.acked: list[str] = []
         self.rejections: list[TrajectoryRejected] = []
         self.filtered: list[str] = []
@@ -188,6 +189,54 @@ def test_graceful_stop_writes_a_final_checkpoint_and_acks_it(tmp_path, model_dir
         assert len(ids) == len(set(ids)) == 20
     finally:
         svc2.close()
+
+
+_STREAM = {"batch_groups": 2, "optim": {"lr": 1e-2, "mini_batches": 2, "shuffle": False,
+                                         "stream": True},
+           "loss": {"proximal": "loglinear"}}
+
+
+def test_a_streamed_step_trains_its_first_mini_batch_before_the_rest_arrives(
+        tmp_path, model_dir):
+    h = Harness(tmp_path, model_dir, total_steps=1, **_STREAM)
+    svc = h.start()
+    try:
+        before = {k: v.clone() for k, v in svc.model.state_dict().items()}
+        h.send(svc, _trajs("a"))
+        # The step's first update is made on group a alone; the step is not over.
+        assert _wait(lambda: any(not torch.equal(before[k], v)
+                                 for k, v in svc.model.state_dict().items()), 60)
+        time.sleep(0.3)
+        assert svc.step == 0 and h.published == [0]
+        h.send(svc, _trajs("b"))
+        assert _wait(lambda: svc.finished.is_set(), 60)
+        assert h.published == [0, 1]
+        lines = [json.loads(x) for x in (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
+        assert [sorted(x["ids"]) for x in lines] == [["a#0", "a#1", "b#0", "b#1"]]
+        row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+        assert row["updates"] == 2 and row["tokens"] == 12
+        # the wait for group b counts as waiting, not as the step's compute
+        assert 0.3 <= row["stream_wait_s"] <= row["wait_s"]
+        h.drain_acks()
+        assert sorted(h.acked) == ["a#0", "a#1", "b#0", "b#1"]
+    finally:
+        svc.close()
+
+
+def test_a_streamed_step_stopped_midway_keeps_and_accounts_what_it_trained(
+        tmp_path, model_dir):
+    h = Harness(tmp_path, model_dir, total_steps=3, **_STREAM)
+    svc = h.start()
+    before = {k: v.clone() for k, v in svc.model.state_dict().items()}
+    h.send(svc, _trajs("a"))
+    assert _wait(lambda: any(not torch.equal(before[k], v)
+                             for k, v in svc.model.state_dict().items()), 60)
+    svc.close("signal SIGTERM")  # mid-step: the second mini-batch never comes
+    lines = [json.loads(x) for x in (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
+    assert [(x["step"], sorted(x["ids"])) for x in lines] == [(1, ["a#0", "a#1"])]
+    assert (tmp_path / "ckpt" / "LATEST").read_text() == "step-00000001"
+    h.drain_acks(1.0)
+    assert sorted(h.acked) == ["a#0", "a#1"]
 
 
 def test_copies_of_trained_ids_are_acked_again_once_durable_even_to_a_new_manager(

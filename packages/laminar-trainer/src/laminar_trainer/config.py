@@ -162,6 +162,15 @@ class OptimConfig(LaminarModel):
     arrive in completion order, short answers first, so unshuffled mini-batches are
     sorted by length and each update sees one length bucket. No effect with one
     mini-batch."""
+    stream: bool = False
+    """Stream the step's mini-batches: its first update starts as soon as
+    ``batch_groups / mini_batches`` groups are complete, and each later update waits only
+    for its own mini-batch, so generating the step's long answers overlaps training on
+    its short ones. With ``max_staleness`` 0 every step trains on data of its start
+    weights without waiting for the whole batch. Mini-batches are in arrival order
+    (needs ``shuffle`` false), advantages are computed within each, decoupled PPO needs
+    ``loss.proximal: loglinear`` (the later mini-batches arrive after the weights moved),
+    and the trainer runs in one process (not under torchrun)."""
     micro_batch_groups: int = Field(default=0, ge=0)
     """Groups per forward/backward on each rank (gradient accumulation inside a
     mini-batch); 0 = the rank's whole mini-batch at once. The loss is normalised over the
@@ -172,6 +181,14 @@ class OptimConfig(LaminarModel):
     the trajectories (not whole groups) sorted by length so short answers are not padded
     to the long tail's length (as verl's dynamic batch size). Every rank runs the same
     number of micro-batches. Same gradient as any other split; 0: off."""
+
+
+    @model_validator(mode="after")
+    def _stream_in_arrival_order(self) -> OptimConfig:
+        if self.stream and self.shuffle and self.mini_batches > 1:
+            raise ValueError("optim.stream trains each mini-batch as its groups arrive, so "
+                             "they cannot be shuffled first: set optim.shuffle false")
+        return self
 
 
 class CheckpointConfig(LaminarModel):
@@ -371,6 +388,12 @@ class TrainerConfig(ListenConfig):
         if self.batch_groups % self.optim.mini_batches:
             raise ValueError(f"optim.mini_batches ({self.optim.mini_batches}) must divide "
                              f"batch_groups ({self.batch_groups})")
+        if (self.optim.stream and self.loss.correction == "decoupled"
+                and self.loss.proximal == "recompute"
+                and self.optim.mini_batches * self.optim.epochs > 1):
+            raise ValueError("optim.stream: the later mini-batches arrive after the first "
+                             "updates, when the step's start weights are gone, so loss."
+                             "proximal recompute cannot run; set loss.proximal loglinear")
         if self.loss.proximal == "loglinear" and self.publish_every != 1:
             raise ValueError(f"loss.proximal: loglinear counts staleness in versions of one "
                              f"step each; publish_every is {self.publish_every}, must be 1")

@@ -111,6 +111,10 @@ class TrainerService(Service):
         super().__init__()
         if config.model_dir is None and config.simulate is None:
             raise LaminarError("trainer: set model_dir (or simulate, for benchmarks)")
+        if config.optim.stream and dist is not None:
+            raise LaminarError("trainer: optim.stream runs in one process; under torchrun "
+                               f"({dist.world_size} ranks) every rank needs the whole step "
+                               "at its start: set optim.stream false")
         self.config = config
         self.coordinator = coordinator
         self.resume = resume
@@ -158,6 +162,9 @@ class TrainerService(Service):
         self._t_first_step: float | None = None
         self._wait_s = 0.0
         self._train_s = 0.0
+        # A streamed step's (optim.stream) wait for its later mini-batches, and their groups.
+        self._stream_wait = 0.0
+        self._stream_groups: list[Group] = []
         self.eval_before: float | None = None
         self.eval_after: float | None = None
         self.eval_last: dict[str, float] = {}
@@ -474,22 +481,64 @@ class TrainerService(Service):
                   f"{self._pass_text()}", flush=True)
         while self.step < cfg.total_steps and not self.stopping.is_set():
             t0 = time.monotonic()
-            while not self.buffer.wait_ready(cfg.batch_groups, timeout_s=0.2):
-                if self.stopping.is_set():
+            if self._streaming:
+                # optim.stream: the step starts on its first mini-batch; the later ones
+                # are taken as their updates come due (_more_groups).
+                groups = self._take_exactly(cfg.batch_groups // cfg.optim.mini_batches)
+                if not groups:
                     return
-                self._flush_reacks()
-                self._warn_if_starved()
-                if time.monotonic() - t0 > cfg.wait_timeout_s:
-                    raise LaminarError(f"no full step of data for {cfg.wait_timeout_s:.0f}s")
+            else:
+                if not self._wait_for(cfg.batch_groups):
+                    return
+                groups = self.buffer.take(cfg.batch_groups, self.version)
+                if not groups:
+                    continue
             waited = time.monotonic() - t0
-            groups = self.buffer.take(cfg.batch_groups, self.version)
-            if not groups:
-                continue
             self._wait_s += waited
             self._one_step(groups, waited)
         if self.step < cfg.total_steps:  # stopped early (a signal): no summary, no DONE
             return
         self._finish()
+
+    def _wait_for(self, n_groups: int) -> bool:
+        """Block until ``n_groups`` groups are ready; False if the trainer is stopping.
+        Reacks go out and a starved trainer warns meanwhile; no data for
+        ``wait_timeout_s`` is an error."""
+        t0 = time.monotonic()
+        timeout_s = self.config.wait_timeout_s
+        while not self.buffer.wait_ready(n_groups, timeout_s=0.2):
+            if self.stopping.is_set():
+                return False
+            self._flush_reacks()
+            self._warn_if_starved()
+            if time.monotonic() - t0 > timeout_s:
+                raise LaminarError(f"no {n_groups} complete group(s) of data for "
+                                   f"{timeout_s:.0f}s")
+        return True
+
+    def _take_exactly(self, n_groups: int) -> list[Group]:
+        """``n_groups`` groups at the trainer's version (the buffer may drop some it holds
+        as too stale: then more are waited for); [] if the trainer is stopping."""
+        groups: list[Group] = []
+        while len(groups) < n_groups:
+            if not self._wait_for(n_groups - len(groups)):
+                return []
+            groups += self.buffer.take(n_groups - len(groups), self.version)
+        return groups
+
+    def _more_groups(self, n_groups: int) -> list[Group]:
+        """A streamed step's next mini-batch (see ``train_step``'s ``more``): [] ends the
+        step early when the trainer is stopping; the wait counts as waiting, not
+        training."""
+        t0 = time.monotonic()
+        groups = self._take_exactly(n_groups)
+        self._stream_wait += time.monotonic() - t0
+        self._stream_groups += groups
+        return groups
+
+    @property
+    def _streaming(self) -> bool:
+        return self.config.optim.stream and self.model is not None
 
     def _final_checkpoint(self) -> None:
         """Graceful stop (SIGTERM/SIGINT): checkpoint the steps since the last one and
@@ -504,11 +553,21 @@ class TrainerService(Service):
         consume_version = self.version
         if self._t_first_step is None:
             self._t_first_step = time.monotonic() - waited
-        trajs = [t for g in groups for t in g.trajectories()]
+        self._stream_wait, self._stream_groups = 0.0, []
         result, train_s = self._train(groups)
+        # A streamed step also took the groups of its later mini-batches while it trained,
+        # and waited for them: that time is waiting, not training.
+        groups = groups + self._stream_groups
+        train_s -= self._stream_wait
+        self._train_s -= self._stream_wait
+        waited += self._stream_wait
+        self._wait_s += self._stream_wait
+        trajs = [t for g in groups for t in g.trajectories()]
         stall = self._maybe_publish()
         self._account(trajs, result)
         metrics = self._step_metrics(trajs, result, consume_version, train_s, waited, stall)
+        if self._streaming:
+            metrics["stream_wait_s"] = self._stream_wait
         self._maybe_checkpoint_or_ack()
         self._maybe_evaluate(metrics)
         self._report_step(metrics, result, stall)
@@ -525,7 +584,8 @@ class TrainerService(Service):
                                 ref_model=self.ref_model, dist=self.dist, version=self.version)
         elif self.model is not None:
             result = train_step(self.model, self.optimizer, self.scheduler, groups, cfg,
-                                ref_model=self.ref_model, version=self.version)
+                                ref_model=self.ref_model, version=self.version,
+                                more=self._more_groups if self._streaming else None)
         else:
             time.sleep(cfg.simulate.step_s)
             result = StepResult.simulated(groups)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -313,7 +314,8 @@ def _no_grad_logprobs(model, micro: _Micro, cfg, device) -> torch.Tensor:
 
 
 def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=None,
-               dist=None, version: int | None = None) -> StepResult:
+               dist=None, version: int | None = None,
+               more: Callable[[int], list[Group]] | None = None) -> StepResult:
     """The step's optimizer updates over ``groups`` (see the module docstring).
 
     With ``dist`` (a ``laminar_trainer.distributed.DistContext`` of an FSDP model),
@@ -321,52 +323,75 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     on its share; every rank returns the same numbers. ``version``: the weights' version
     at the step's start, which ``loss.proximal: loglinear`` measures staleness against.
 
+    ``more`` streams the step (``optim.stream``; one process, no ``dist``): ``groups`` is
+    its first mini-batch, trained at once, and ``more(n)`` is called when a later
+    mini-batch's update is due, blocking until ``n`` more groups are ready; ``[]`` ends
+    the step there, its updates so far kept. Mini-batches are then in arrival order
+    (no shuffle) and advantages are computed within each mini-batch.
+
     Returns:
         ``StepResult``: ``loss`` is the mean of the updates' losses; ``stats`` holds the
         token-weighted means of the loss stats over every update (clip fractions,
         ratios, importance weights, KLs, ``entropy``), ``grad_norm`` (before clipping,
         mean over updates) and ``grad_norm_max``, ``updates``, ``skipped_nonfinite``
-        (updates skipped), ``uniform_group_fraction`` and ``lr``.
+        (updates skipped), ``uniform_group_fraction`` and ``lr``; over every group the
+        step took, streamed ones included.
     """
     device = model_device(model)
-    trajs_all = [t for g in groups for t in g.trajectories()]
-    advantages = _advantages(groups, cfg)
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
-    shuffle = cfg.optim.shuffle and cfg.optim.mini_batches > 1
-    chunks = _chunks(_shuffled(groups, cfg.seed) if shuffle else groups, cfg.optim.mini_batches)
-    plan = []
-    for chunk in chunks:
+    loss_cfg = cfg.loss
+    mini_batches = cfg.optim.mini_batches
+    updates = mini_batches * cfg.optim.epochs
+    keep_proximal = updates > 1 and loss_cfg.correction == "decoupled"
+    loglinear = keep_proximal and loss_cfg.proximal == "loglinear"
+    if loglinear and version is None:
+        raise ValueError("loss.proximal: loglinear needs the weights' version (version=)")
+    if more is not None and (dist is not None or (keep_proximal and not loglinear)):
+        raise ValueError("a streamed step runs in one process, with no proximal forward at "
+                         "the step's start (loss.proximal loglinear, or no decoupled PPO)")
+    use_kl = ref_model is not None and loss_cfg.kl_coef > 0
+
+    def plan_of(chunk: list[Group], advantages: dict[str, float]):
         denominator, norm = _denominator(chunk, cfg)
         parts = _by_tokens(chunk, rank, world, cfg.optim.micro_batch_tokens) \
             if cfg.optim.micro_batch_tokens > 0 else \
             [[t for g in part for t in g.trajectories()]
              for part in _micro_batches(chunk[rank::world], cfg.optim.micro_batch_groups)]
         micros = [_pack(part, advantages, cfg, device) for part in parts]
-        plan.append((micros, denominator, norm))
-    loss_cfg = cfg.loss
-    updates = cfg.optim.mini_batches * cfg.optim.epochs
-    keep_proximal = updates > 1 and loss_cfg.correction == "decoupled"
-    loglinear = keep_proximal and loss_cfg.proximal == "loglinear"
-    if loglinear and version is None:
-        raise ValueError("loss.proximal: loglinear needs the weights' version (version=)")
-    if keep_proximal and not loglinear:
-        # The first mini-batch's first update runs at the proximal weights: its own
-        # forward gives them (kept for its later epochs), so only the others need one.
-        for micros, _, _ in plan[1:]:
-            for micro in micros:
-                micro.proximal = _no_grad_logprobs(model, micro, cfg, device)
-    use_kl = ref_model is not None and loss_cfg.kl_coef > 0
-    if use_kl:
-        for micros, _, _ in plan:
+        if use_kl:
             for micro in micros:
                 micro.reference = _no_grad_logprobs(ref_model, micro, cfg, device)
+        return micros, denominator, norm
 
+    if more is None:
+        advantages = _advantages(groups, cfg)
+        shuffle = cfg.optim.shuffle and mini_batches > 1
+        chunks = _chunks(_shuffled(groups, cfg.seed) if shuffle else groups, mini_batches)
+        plan = [plan_of(chunk, advantages) for chunk in chunks]
+        if keep_proximal and not loglinear:
+            # The first mini-batch's first update runs at the proximal weights: its own
+            # forward gives them (kept for its later epochs), so only the others need one.
+            for micros, _, _ in plan[1:]:
+                for micro in micros:
+                    micro.proximal = _no_grad_logprobs(model, micro, cfg, device)
+    else:
+        chunks = [list(groups)]
+        plan = [plan_of(chunks[0], _advantages(chunks[0], cfg))]
     stats = _Stats()
     losses: list[float] = []
     norms: list[float] = []
     skipped = 0
+    ended = False
     for _epoch in range(cfg.optim.epochs):
-        for micros, denominator, norm in plan:
+        for index in range(mini_batches):
+            if index == len(plan):  # streamed: this mini-batch's groups, once ready
+                chunk = more(len(chunks[0]))
+                if not chunk:
+                    ended = True
+                    break
+                chunks.append(chunk)
+                plan.append(plan_of(chunk, _advantages(chunk, cfg)))
+            micros, denominator, norm = plan[index]
             optimizer.zero_grad(set_to_none=True)
             update_loss = 0.0
             # loglinear: the weights have moved len(losses) of the step's updates so far.
@@ -389,15 +414,19 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
                 skipped += 1
             losses.append(update_loss)
             norms.append(grad_norm)
+        if ended:
+            break
     scheduler.step()
+    taken = [g for chunk in chunks for g in chunk]
+    trajs_all = [t for g in taken for t in g.trajectories()]
     out = stats.reduce(dist)
     out["skipped_nonfinite"] = float(skipped)
-    out["updates"] = float(updates)
+    out["updates"] = float(len(losses))
     out["grad_norm"] = statistics.fmean(norms)
     out["grad_norm_max"] = max(norms)
     # A group whose samples all scored the same has zero advantage: it teaches nothing.
-    uniform = sum(1 for g in groups if not g.informative)
-    out["uniform_group_fraction"] = uniform / len(groups) if groups else 0.0
+    uniform = sum(1 for g in taken if not g.informative)
+    out["uniform_group_fraction"] = uniform / len(taken) if taken else 0.0
     out["lr"] = scheduler.get_last_lr()[0]
     return StepResult(statistics.fmean(losses), sum(t.reward for t in trajs_all) / len(trajs_all),
                       sum(len(t.response_token_ids) for t in trajs_all), out)
