@@ -108,7 +108,11 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path,
     trainer_args = ("run", *_common(etcd, job), "--set", "trainer_id=trainer",
                     "--set", f"model_dir={model}", "--set", "batch_groups=4",
                     "--set", f"total_steps={total_steps}", "--set", f"run_dir={run_dir}",
-                    "--set", f"checkpoint.dir={ckpt}", "--set", f"checkpoint.every_steps={every}")
+                    "--set", f"checkpoint.dir={ckpt}", "--set", f"checkpoint.every_steps={every}",
+                    # streamed steps: each of the 2 mini-batches trained as its groups
+                    # arrive, so a SIGKILL can land between a step's updates
+                    "--set", "optim.mini_batches=2", "--set", "optim.stream=true",
+                    "--set", "optim.shuffle=false", "--set", "loss.proximal=loglinear")
     trainer = spawn("trainer", "laminar_trainer.cli", *trainer_args)
     wait_ready(etcd, job, trainer, "trainer", timeout_s=120)
     assert wait_until(lambda: len(read_steps(run_dir)) >= 5, 300), "training did not reach step 5"
@@ -126,8 +130,10 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path,
     assert summary["steps"] == total_steps and summary["simulated_step"] is False
     # The restarted trainer went on from the checkpoint, step by step, to the end;
     # the steps after the checkpoint that the killed one took were rolled back.
-    steps = [row["step"] for row in read_steps(run_dir)]
+    rows = read_steps(run_dir)
+    steps = [row["step"] for row in rows]
     assert steps[-(total_steps - resumed_step):] == list(range(resumed_step + 1, total_steps + 1))
+    assert all(row["updates"] == 2 and row["stream_wait_s"] >= 0 for row in rows)
     consumed = consumed_ids(run_dir)
     assert len(consumed) == len(set(consumed)) == total_steps * 4 * 4
     manager.stop()
