@@ -317,7 +317,8 @@ class TrainerConfig(ListenConfig):
     up on: its group trains without it and the manager records it as rejected (before
     that, each rejected copy is generated again)."""
     wait_timeout_s: float = Field(default=600.0, gt=0)
-    """Give up if no full step of data arrives for this long."""
+    """Give up if the data a step waits for (its whole batch; with ``optim.stream``, each
+    mini-batch) does not arrive for this long."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training precision. float32: everything in fp32. bfloat16: mixed precision, the
     master weights and the optimizer state stay fp32 and forward/backward run under
