@@ -252,7 +252,17 @@ def test_wandb_offline_run_holds_config_and_history(tmp_path, wandb_offline):
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, "wandb.dir defaults to run_dir"
     (wandb_file,) = runs[0].glob("*.wandb")
-    records = _wandb_records(wandb_file)
+    # wandb's own writer process may still be flushing the file after finish() returns
+    # (a CI run once read it without its run record): read until the run record and the
+    # three history rows are there, for at most 20 s.
+    deadline = time.monotonic() + 20
+    while True:
+        records = _wandb_records(wandb_file)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if ("run" in kinds and kinds.count("history") >= 3) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert kinds.count("run") == 1, (kinds, wandb_file.stat().st_size)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.project == "laminar-test" and run.display_name == "trainer-7"
     run_config = _items(run.config.update)
