@@ -630,28 +630,29 @@ def main(argv: list[str] | None = None) -> int:
 
     lams = [run_laminar(settings, overrides, work / "laminar-up.log", steps)]
     first_run_dir = Path(settings.run_dir).resolve()
-    runs: dict[str, tuple[JobSettings, list[dict]]] = {"job": (settings, lams)}
+    variant_runs: dict[str, tuple[JobSettings, list[dict]]] = {}
     for name, extra in {"job": [], **variants}.items():
         for i in range(2 if name == "job" else 1, args.laminar_runs + 1):
             tag = f"{i}" if name == "job" else f"{name}-{i}"
             run_overrides = [*args.overrides, *extra, f"run_dir={work / f'laminar-{tag}'}"]
             run_settings = read_job_settings(args.job, run_overrides)
             reuse_setup(first_run_dir, Path(run_settings.run_dir).resolve(), run_settings)
-            runs.setdefault(name, (run_settings, []))[1].append(run_laminar(
-                run_settings, run_overrides, work / f"laminar-up-{tag}.log", steps))
+            run = run_laminar(run_settings, run_overrides, work / f"laminar-up-{tag}.log", steps)
+            if name == "job":
+                lams.append(run)
+            else:
+                variant_runs.setdefault(name, (run_settings, []))[1].append(run)
     trls = []
     for seed in range(args.seeds):
         spec = trl_spec(settings, seed, work / f"trl-seed{seed}", args.trl_threads)
         trls.append(run_trl(trl_python, spec, work))
     matched, differences = compare_settings(settings, lams[0], trls)
     result = report(settings, lams, trls, matched, differences)
-    for name, (run_settings, variant_runs) in runs.items():
-        if name == "job":
-            continue
-        matched, differences = compare_settings(run_settings, variant_runs[0], trls)
+    for name, (run_settings, runs) in variant_runs.items():
+        matched, differences = compare_settings(run_settings, runs[0], trls)
         result.setdefault("variants", {})[name] = {
             "overrides": variants[name],
-            **report(run_settings, variant_runs, trls, matched, differences,
+            **report(run_settings, runs, trls, matched, differences,
                      variant=f"{name}: {', '.join(variants[name])}")}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

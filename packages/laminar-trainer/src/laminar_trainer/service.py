@@ -556,10 +556,8 @@ class TrainerService(Service):
         self._stream_wait, self._stream_groups = 0.0, []
         result, train_s = self._train(groups)
         # A streamed step also took the groups of its later mini-batches while it trained,
-        # and waited for them: that time is waiting, not training.
+        # and waited for them: that time is waiting (_train leaves it out of train_s).
         groups = groups + self._stream_groups
-        train_s -= self._stream_wait
-        self._train_s -= self._stream_wait
         waited += self._stream_wait
         self._wait_s += self._stream_wait
         trajs = [t for g in groups for t in g.trajectories()]
@@ -590,7 +588,7 @@ class TrainerService(Service):
             time.sleep(cfg.simulate.step_s)
             result = StepResult.simulated(groups)
         self.step += 1
-        train_s = time.monotonic() - t0
+        train_s = time.monotonic() - t0 - self._stream_wait
         self._train_s += train_s
         if result.stats.get("skipped_nonfinite"):
             self.nonfinite_steps += 1
