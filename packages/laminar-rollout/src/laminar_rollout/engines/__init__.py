@@ -113,6 +113,10 @@ def make_engine_from_config(config: EngineConfig) -> GenerationEngine:
                            tensor_parallel_size=config.tensor_parallel_size,
                            dtype=config.dtype, enforce_eager=config.enforce_eager,
                            enable_prefix_caching=config.enable_prefix_caching,
+                           kv_cache_bytes=(None if config.kv_cache_mb is None
+                                           else config.kv_cache_mb << 20),
+                           kv_cache_tokens=config.kv_cache_tokens,
+                           multiprocess=config.multiprocess,
                            engine_kwargs=dict(config.engine_kwargs),
                            weight_bucket_bytes=config.weight_bucket_mb << 20,
                            weight_update_timeout_s=config.weight_update_timeout_s)

