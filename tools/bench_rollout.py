@@ -1,8 +1,11 @@
-"""Benchmark the torch generation engine on this CPU: throughput by batch size and the
-continuous-batching gain over static batching on a long-tail length mix.
+"""Benchmark the generation engines on this CPU (torch; vLLM with ``--engines torch,vllm``):
+throughput by batch size and the continuous-batching gain over static batching on a
+long-tail length mix.
 
-Both parts run the real ``TorchEngine`` on a tiny random-init Qwen2 model built
-from a config (no download); the model size is printed. Part 1 also runs Hugging
+Both parts run the real engines (``TorchEngine``; ``VllmEngine`` on vLLM's CPU build,
+the same model loaded from a saved directory, fp32, eager) on a tiny random-init Qwen2
+model built from a config (no download); the model size is printed. vLLM's CPU
+attention needs a head size of at least 32 (``--hidden`` >= 128). Part 1 also runs Hugging
 Face ``generate`` (sampling at temperature 1, the same model, batch, prompt and
 token count, ``min_new_tokens`` = ``max_new_tokens``) side by side: the engine
 computes every sampled token's log-prob as well, ``generate`` does not. Response lengths are
@@ -39,9 +42,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--median", type=float, default=24.0, help="median response length")
     p.add_argument("--tail-ratio", type=float, default=10.0, help="p99 / median of lengths")
     p.add_argument("--max-len", type=int, default=400, help="response length cap")
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--engines", default="torch",
+                   help="comma list of engines: torch, vllm (vllm needs vLLM installed)")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size (4 heads)")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: shared 2-core box)")
     p.add_argument("--repeats", type=int, default=2, help="best of N for each measurement")
     p.add_argument("--seed", type=int, default=0)
@@ -82,8 +87,38 @@ def main(argv: list[str] | None = None) -> int:
     )
     prompt = [1] * args.prompt_len
 
-    def run(requests: list, max_batch: int) -> tuple[float, int, int]:
-        engine = TorchEngine(model, max_batch=max_batch, eos_token_ids=(), seed=args.seed)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - {"torch", "vllm"}
+    if unknown or not engines:
+        print(f"--engines: unknown {sorted(unknown)}; choose from torch, vllm", file=sys.stderr)
+        return 2
+    vllm_engines: dict[int, object] = {}
+    model_dir = None
+    if "vllm" in engines:
+        import tempfile
+
+        if args.hidden // 4 < 32:
+            print(f"--hidden {args.hidden}: vLLM's CPU attention needs a head size >= 32 "
+                  "(--hidden >= 128)", file=sys.stderr)
+            return 2
+        model_dir = tempfile.mkdtemp(prefix="bench-rollout-")
+        model.save_pretrained(model_dir)
+
+    def make(kind: str, max_batch: int):
+        if kind == "torch":
+            return TorchEngine(model, max_batch=max_batch, eos_token_ids=(), seed=args.seed)
+        if max_batch not in vllm_engines:  # one vLLM engine per slot count, reused
+            from laminar_rollout.engines import make_engine
+
+            vllm_engines[max_batch] = make_engine(
+                "vllm", model=model_dir, max_batch=max_batch, context_length=context,
+                dtype="float32", eos_token_ids=(), seed=args.seed, enforce_eager=True,
+                kv_cache_tokens=max_batch * context,
+                engine_kwargs={"skip_tokenizer_init": True})
+        return vllm_engines[max_batch]
+
+    def run(requests: list, max_batch: int, kind: str = "torch") -> tuple[float, int, int]:
+        engine = make(kind, max_batch)
         for r in requests:
             engine.add_request(r)
         steps = tokens = 0
@@ -97,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         results = [fn() for _ in range(args.repeats)]
         return min(results, key=lambda r: r[0])
 
-    run([GenerationRequest("warmup", prompt, SamplingParams(max_tokens=8))], 1)
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    for kind in engines:
+        run([GenerationRequest("warmup", prompt, SamplingParams(max_tokens=8))],
+            max(batches) if kind == "vllm" else 1, kind)
 
     def hf_generate(b: int) -> tuple[float, int, int]:
         ids = torch.tensor([prompt] * b)
@@ -113,22 +151,30 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_generate(1)  # warm-up
 
-    print("\n[1] throughput, every request decodes the same length; HF generate side by side")
-    print(f"{'batch':>6} {'tokens':>8} {'seconds':>8} {'tokens/s':>10} {'vs batch 1':>10} "
-          f"{'HF tok/s':>10} {'engine/HF':>10}")
-    base = None
-    for b in (int(x) for x in args.batch_sizes.split(",")):
-        reqs = [
-            GenerationRequest(f"t{i}", prompt, SamplingParams(max_tokens=args.decode_tokens))
-            for i in range(b)
-        ]
-        secs, _, tokens = best(lambda reqs=reqs, b=b: run(reqs, b))
+    print("\n[1] throughput, every request decodes the same length; HF generate side by side"
+          f" (engines: {', '.join(engines)}; vLLM runs with max_num_seqs {max(batches)})")
+    print(f"{'batch':>6} {'engine':>7} {'tokens':>8} {'seconds':>8} {'tokens/s':>10} "
+          f"{'vs batch 1':>10} {'HF tok/s':>10} {'engine/HF':>10}")
+    base: dict[str, float] = {}
+    uid = 0
+    for b in batches:
         hf_secs, _, hf_tokens = best(lambda b=b: hf_generate(b))
-        assert hf_tokens == tokens, (hf_tokens, tokens)
-        rate, hf_rate = tokens / secs, hf_tokens / hf_secs
-        base = base or rate
-        print(f"{b:>6} {tokens:>8} {secs:>8.3f} {rate:>10.0f} {rate / base:>9.2f}x "
-              f"{hf_rate:>10.0f} {rate / hf_rate:>9.2f}x")
+        hf_rate = hf_tokens / hf_secs
+        for kind in engines:
+            def once(b=b, kind=kind):
+                nonlocal uid
+                uid += 1
+                reqs = [GenerationRequest(f"t{uid}-{i}", prompt,
+                                          SamplingParams(max_tokens=args.decode_tokens))
+                        for i in range(b)]
+                return run(reqs, max(batches) if kind == "vllm" else b, kind)
+
+            secs, _, tokens = best(once)
+            assert hf_tokens == tokens, (hf_tokens, tokens)
+            rate = tokens / secs
+            base.setdefault(kind, rate)
+            print(f"{b:>6} {kind:>7} {tokens:>8} {secs:>8.3f} {rate:>10.0f} "
+                  f"{rate / base[kind]:>9.2f}x {hf_rate:>10.0f} {rate / hf_rate:>9.2f}x")
 
     # stratified draw: the n quantiles of the log-normal, shuffled, so a short mix has
     # the configured tail exactly instead of a noisy p99
@@ -139,35 +185,39 @@ def main(argv: list[str] | None = None) -> int:
     ]
     np.random.default_rng(args.seed).shuffle(lengths)
     p50, p99 = np.percentile(lengths, [50, 99])
-    reqs = [
-        GenerationRequest(f"l{i}", prompt, SamplingParams(max_tokens=n))
-        for i, n in enumerate(lengths)
-    ]
     mb = args.max_batch
-
-    def static() -> tuple[float, int, int]:
-        total = (0.0, 0, 0)
-        for k in range(0, len(reqs), mb):
-            secs, steps, tokens = run(reqs[k : k + mb], mb)
-            total = (total[0] + secs, total[1] + steps, total[2] + tokens)
-        return total
-
     print(
-        f"\n[2] long-tail mix: {len(reqs)} requests, stratified log-normal lengths: "
+        f"\n[2] long-tail mix: {len(lengths)} requests, stratified log-normal lengths: "
         f"median {p50:.0f}, p99 {p99:.0f} "
         f"(p99/median {p99 / p50:.1f}), max {max(lengths)}, {sum(lengths)} tokens; "
         f"{mb} slots"
     )
-    s_secs, s_steps, s_tokens = best(static)
-    c_secs, c_steps, c_tokens = best(lambda: run(reqs, mb))
-    assert s_tokens == c_tokens == sum(lengths), (s_tokens, c_tokens, sum(lengths))
-    print(f"{'mode':>12} {'seconds':>8} {'steps':>6} {'tokens/s':>10}")
-    print(f"{'static':>12} {s_secs:>8.3f} {s_steps:>6} {s_tokens / s_secs:>10.0f}")
-    print(f"{'continuous':>12} {c_secs:>8.3f} {c_steps:>6} {c_tokens / c_secs:>10.0f}")
-    print(
-        f"continuous/static: {s_secs / c_secs:.2f}x tokens/s (wall clock, this CPU), "
-        f"{s_steps / c_steps:.2f}x fewer decode steps (the gain at flat step cost)"
-    )
+    print(f"{'engine':>7} {'mode':>12} {'seconds':>8} {'steps':>6} {'tokens/s':>10}")
+    for kind in engines:
+        def mix() -> list:
+            nonlocal uid
+            uid += 1
+            return [GenerationRequest(f"l{uid}-{i}", prompt, SamplingParams(max_tokens=n))
+                    for i, n in enumerate(lengths)]
+
+        def static(kind=kind) -> tuple[float, int, int]:
+            reqs = mix()
+            total = (0.0, 0, 0)
+            for k in range(0, len(reqs), mb):
+                secs, steps, tokens = run(reqs[k : k + mb], mb, kind)
+                total = (total[0] + secs, total[1] + steps, total[2] + tokens)
+            return total
+
+        s_secs, s_steps, s_tokens = best(static)
+        c_secs, c_steps, c_tokens = best(lambda kind=kind: run(mix(), mb, kind))
+        assert s_tokens == c_tokens == sum(lengths), (s_tokens, c_tokens, sum(lengths))
+        print(f"{kind:>7} {'static':>12} {s_secs:>8.3f} {s_steps:>6} {s_tokens / s_secs:>10.0f}")
+        print(f"{kind:>7} {'continuous':>12} {c_secs:>8.3f} {c_steps:>6} "
+              f"{c_tokens / c_secs:>10.0f}")
+        print(
+            f"{kind}: continuous/static {s_secs / c_secs:.2f}x tokens/s (wall clock, this CPU), "
+            f"{s_steps / c_steps:.2f}x fewer decode steps (the gain at flat step cost)"
+        )
     return 0
 
 

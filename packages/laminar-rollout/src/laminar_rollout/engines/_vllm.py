@@ -105,6 +105,20 @@ _STATS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
 _HOST_KV_CAP = 4 << 30  # default KV cache on a host-memory backend: at most 4 GiB
 
 
+class _ExpectedReloadNoise(logging.Filter):
+    """Drops vLLM's per-update "RotaryEmbedding: Failed to load weights" warning: rotary
+    tables are computed, never in a checkpoint, and the layerwise reload puts them
+    back as they were (the warning is expected on every update of every RoPE model)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING
+                    and record.getMessage().startswith("RotaryEmbedding: Failed to load"))
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+    _ExpectedReloadNoise())
+
+
 class LaminarWorkerExtension:
     """Mixed into each vLLM worker (``worker_extension_cls``); runs inside the worker."""
 
