@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from laminar_rollout.tools import (
     MAX_CALLS,
@@ -145,3 +148,66 @@ def test_the_python_tool_runs_in_the_sandbox_and_reports_failures():
         assert tool.call({"code": "x = 1"}) == "[no output]"
         with pytest.raises(ValueError, match="python needs"):
             tool.call({"source": "print(1)"})
+
+
+# -- hostile model text: nothing raises, everything handed back is encodable ---------
+
+_DEEP = "[" * 3000 + "]" * 3000
+
+
+@pytest.mark.parametrize("body, says", [
+    (_DEEP, "nested 3000 deep"),
+    ('{"name": "python", "arguments": ' + "[" * 3000 + "]" * 3000 + "}", "nested 3001 deep"),
+    ('{"name": "python", "arguments": "' + "[" * 3000 + '"}', '"arguments" is a string'),
+    ('{"name": "python", "arguments": {"n": ' + "9" * 5000 + "}}", "4300 digits"),
+])
+def test_deep_json_and_huge_numbers_are_tool_errors_not_exceptions(body, says):
+    (call,) = parse_tool_calls(f"<tool_call>{body}</tool_call>").calls
+    assert isinstance(call, ToolCallError) and says in call.message
+
+
+def test_a_lone_surrogate_in_a_tool_name_comes_back_encodable():
+    parsed = parse_tool_calls('<tool_call>{"name": "\\ud800py", "arguments": {}}</tool_call>')
+    with ThreadPoolExecutor(1) as pool:
+        (msg,) = run_tool_calls(parsed.calls, {}, pool, 1.0)
+    assert "unknown tool" in msg["content"]
+    msg["content"].encode("utf-8")
+    msg["name"].encode("utf-8")
+
+
+class _Echo(Tool):
+    name = "echo"
+    description = "echo"
+    parameters = {"type": "object"}
+
+    def call(self, arguments):
+        return json.dumps(arguments, ensure_ascii=False)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_arbitrary_text_never_raises(text):
+    parsed = parse_tool_calls(text + "<tool_call>" + text + "</tool_call>" + text)
+    with ThreadPoolExecutor(1) as pool:
+        for msg in run_tool_calls(parsed.calls, {"echo": _Echo()}, pool, 5.0):
+            msg["content"].encode("utf-8")
+            msg["name"].encode("utf-8")
+
+
+@settings(max_examples=200, deadline=None)
+@given(_json_values, st.text(max_size=20))
+def test_arbitrary_json_never_raises(value, name):
+    for body in (json.dumps({"name": name, "arguments": value}),
+                 json.dumps({"name": name, "arguments": json.dumps(value)}),
+                 json.dumps(value)):
+        parsed = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+        assert len(parsed.calls) == 1
+        with ThreadPoolExecutor(1) as pool:
+            (msg,) = run_tool_calls(parsed.calls, {"echo": _Echo()}, pool, 5.0)
+        msg["content"].encode("utf-8")

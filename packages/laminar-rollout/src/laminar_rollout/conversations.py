@@ -33,6 +33,7 @@ turn.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +46,7 @@ from laminar_common.errors import ConfigError
 from .engines import GenerationOutput, GenerationRequest, KVState, SamplingParams
 from .environments import Environment, EnvStep, Message, TurnLimits
 from .tokenizer import Tokenizer
+from .tools import encodable
 
 __all__ = ["Completed", "Conversations", "make_conversations"]
 
@@ -125,6 +127,8 @@ class Conversations:
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="env-step")
         self._convs: dict[str, _Conversation] = {}
         self.counters: dict[str, int] = {"turns": 0, "env_steps": 0, "env_errors": 0}
+        self.env_error_reasons: collections.Counter[str] = collections.Counter()
+        """Environment errors by where and what (``step:KeyError``, ``next_turn:...``)."""
 
     # -- what the worker asks ----------------------------------------------------
 
@@ -233,15 +237,25 @@ class Conversations:
                 step = future.result()
             except Exception as exc:  # noqa: BLE001 - an environment's bug ends its trajectory
                 self.counters["env_errors"] += 1
-                log.warning("environment of %s failed at turn %d: %s", tid, conv.env.turns, exc,
-                            exc_info=True)
+                self.env_error_reasons[f"step:{type(exc).__name__}"] += 1
+                log.warning("environment of %s failed at turn %d: %s", tid, conv.env.turns,
+                            encodable(str(exc))[:300], exc_info=True)
                 done.append((conv.task, self._complete(tid, "stop")))
                 continue
             conv.env_reward += step.reward or 0.0
             if step.done or not step.observations:
                 done.append((conv.task, self._complete(tid, "stop")))
                 continue
-            request = self._next_turn(tid, conv, step.observations)
+            try:
+                request = self._next_turn(tid, conv, step.observations)
+            except Exception as exc:  # noqa: BLE001 - model text must never end the worker
+                self.counters["env_errors"] += 1
+                self.env_error_reasons[f"next_turn:{type(exc).__name__}"] += 1
+                log.warning("trajectory %s: its next turn cannot be built (%s: %s); ended as "
+                            "an environment error", tid, type(exc).__name__,
+                            encodable(str(exc))[:300])
+                done.append((conv.task, self._complete(tid, "stop")))
+                continue
             if request is None:
                 done.append((conv.task, self._complete(tid, "length")))
             else:

@@ -8,10 +8,12 @@ str``), the built-in :class:`PythonTool` (code run in a
 into ``tool`` messages (:func:`run_tool_calls`) that the chat template renders
 back to the model.
 
-Invariant: nothing the model writes raises. A malformed call (not JSON, no
-name, arguments that are not an object, an unclosed tag, an unknown tool, too
-many calls, a tool that fails or overruns its time) becomes a ``tool`` message
-saying what was wrong, which the model sees on its next turn.
+Invariant: nothing the model writes raises. A malformed call (not JSON, nested
+deeper than ``MAX_JSON_DEPTH``, a number Python will not convert, no name,
+arguments that are not an object, an unclosed tag, an unknown tool, too many
+calls, a tool that fails or overruns its time) becomes a ``tool`` message saying
+what was wrong, which the model sees on its next turn; every name and message
+handed back is UTF-8 encodable (lone surrogates replaced).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ToolCall", "ToolCallError", "ParsedMessage", "parse_tool_calls", "Tool",
-           "PythonTool", "run_tool_calls", "tool_schemas", "MAX_CALLS", "MAX_CALL_CHARS"]
+           "PythonTool", "run_tool_calls", "tool_schemas", "encodable", "MAX_CALLS",
+           "MAX_CALL_CHARS", "MAX_JSON_DEPTH"]
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,48 @@ MAX_CALLS = 8
 MAX_CALL_CHARS = 65536
 """Longest JSON body of one call."""
 
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays and objects read in a call (deeper: an error, not a
+RecursionError)."""
+MAX_NAME_CHARS = 128
+"""Longest tool name echoed back in an error."""
+
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
+_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def encodable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot hold (lone surrogates) replaced, so that model
+    text can be re-encoded, logged and tokenized without raising."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _json_depth(text: str) -> int:
+    """Deepest nesting of ``[`` / ``{`` in ``text``, brackets inside strings ignored."""
+    depth = deepest = 0
+    for match in _NESTING.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in "]}":
+            depth -= 1
+    return deepest
+
+
+def _load_json(text: str) -> tuple[Any, str | None]:
+    """``(value, None)``, or ``(None, why)`` for text that is not JSON Laminar reads: too
+    deep, a number Python refuses to convert (over 4,300 digits), or not JSON at all."""
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        return None, f"nested {depth} deep (at most {MAX_JSON_DEPTH})"
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at character {exc.pos}"
+    except (ValueError, RecursionError) as exc:  # huge integers; depth the scan missed
+        return None, f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
 @dataclass(frozen=True)
@@ -77,11 +120,9 @@ def _parse_one(index: int, body: str) -> ToolCall | ToolCallError:
     if len(body) > MAX_CALL_CHARS:
         return ToolCallError(index, f"tool call {index} is {len(body)} characters long; at "
                                     f"most {MAX_CALL_CHARS} are read")
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return ToolCallError(index, f"tool call {index} is not valid JSON ({exc.msg} at "
-                                    f"character {exc.pos}); write "
+    obj, why = _load_json(body)
+    if why is not None:
+        return ToolCallError(index, f"tool call {index} is not valid JSON ({why}); write "
                                     '{"name": ..., "arguments": {...}}')
     if not isinstance(obj, dict):
         return ToolCallError(index, f"tool call {index} is a JSON {type(obj).__name__}, not "
@@ -89,17 +130,23 @@ def _parse_one(index: int, body: str) -> ToolCall | ToolCallError:
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return ToolCallError(index, f'tool call {index} has no "name" string')
+    name = encodable(name.strip())
+    if len(name) > MAX_NAME_CHARS:
+        return ToolCallError(index, f"tool call {index}: a tool name of {len(name)} "
+                                    f"characters (at most {MAX_NAME_CHARS})")
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):  # some models send the arguments JSON-encoded once more
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            return ToolCallError(index, f'tool call {index} ({name}): "arguments" is a string '
-                                        "that is not a JSON object", name)
+        if arguments.strip():
+            arguments, why = _load_json(arguments)
+            if why is not None:
+                return ToolCallError(index, f'tool call {index} ({name}): "arguments" is a '
+                                            f"string that is not a JSON object ({why})", name)
+        else:
+            arguments = {}
     if not isinstance(arguments, dict):
         return ToolCallError(index, f'tool call {index} ({name}): "arguments" must be an '
                                     f"object, got {type(arguments).__name__}", name)
-    return ToolCall(name.strip(), arguments, index)
+    return ToolCall(name, arguments, index)
 
 
 def parse_tool_calls(text: str, max_calls: int = MAX_CALLS) -> ParsedMessage:
@@ -227,5 +274,6 @@ def run_tool_calls(calls: Sequence[ToolCall | ToolCallError], tools: Mapping[str
                 log.warning("tool %s failed on call %d: %s", name, call.index, exc,
                             exc_info=True)
                 content = f"error: {name} failed ({type(exc).__name__}: {exc})"
-        out.append({"role": "tool", "name": name or "", "content": content})
+        out.append({"role": "tool", "name": encodable(name or ""),
+                    "content": encodable(content)})
     return out
