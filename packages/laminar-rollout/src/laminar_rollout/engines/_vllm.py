@@ -69,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -569,6 +570,7 @@ class VllmEngine(GenerationEngine):
         if not tensors:
             raise EngineError(f"weights v{version}: no tensors were given")
         self._check_shapes(version, tensors)
+        t0 = time.perf_counter()
         self._weights_intact = False
         buckets = 0
         modes = self._rpc("laminar_begin_update", version)
@@ -594,8 +596,9 @@ class VllmEngine(GenerationEngine):
                               "load succeeds, so no KV of the old weights is reused")
         self._weights_intact = True
         self._version = version
-        logger.info("loaded weights v%d (%d tensors, %d buckets, %s) into vLLM", version,
-                    len(tensors), buckets, self.update_mode)
+        logger.info("loaded weights v%d (%d tensors, %d buckets, %s) into vLLM in %.3fs",
+                    version, len(tensors), buckets, self.update_mode,
+                    time.perf_counter() - t0)
 
     def _check_shapes(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Refuse, before vLLM sees any of them, tensors whose shape differs from the
