@@ -214,6 +214,9 @@ class SandboxConfig(LaminarModel):
     """Wall-clock time of one run (then the whole process tree is killed)."""
     output_bytes: int = Field(default=8192, ge=64)
     """stdout and stderr are each cut after this many bytes."""
+    sandbox_uid: int = Field(default=65533, gt=0, lt=2**32 - 1)
+    """Host uid (and gid) snippets run as when the worker is root (unprivileged, no
+    files of its own; give it a dedicated account if 65533 is taken)."""
 
 
 class EnvironmentConfig(LaminarModel):

@@ -361,7 +361,8 @@ def make_conversations(config: Any, tokenizer: Tokenizer, reuse_kv: bool = False
             sb = config.sandbox
             tools[name] = PythonTool(CodeSandbox(SandboxLimits(
                 cpu_s=sb.cpu_s, memory_bytes=sb.memory_mb << 20, file_bytes=sb.file_mb << 20,
-                wall_s=sb.wall_s, output_bytes=sb.output_bytes), isolation=sb.isolation))
+                wall_s=sb.wall_s, output_bytes=sb.output_bytes), isolation=sb.isolation,
+                sandbox_uid=sb.sandbox_uid))
         tool_pool = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="tool")
         kwargs.update(tools=tools, pool=tool_pool)
     conversations = Conversations(tokenizer, lambda record: cls(record, limits, **kwargs),

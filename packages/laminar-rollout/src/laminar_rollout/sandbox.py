@@ -35,34 +35,60 @@ The host side starts the supervisor in its own process group, reads stdout
 and stderr with a bound, and as a backstop kills the group by pid (never by
 name) ``_HOST_GRACE_S`` after ``wall_s``.
 
-Isolation ``"bwrap"`` (bubblewrap) adds: new user (where allowed), pid, net,
-ipc, uts and cgroup namespaces (``--unshare-all``; the net namespace has only
-its own loopback, so nothing outside is reachable); all capabilities dropped;
-``--new-session`` (no TIOCSTI into our terminal); ``--die-with-parent``; a
-read-only root built from ``/usr`` (plus the ``/bin``, ``/lib*`` symlinks or
-dirs), the interpreter's prefix, ``extra_ro_paths`` and a few ``/etc`` files
-(``_ETC_FILES``; not ``/etc/shadow``, not ``$HOME``, not the repo). The only
-writable places are a private ``/tmp`` (cwd) and ``/dev/shm`` tmpfs, gone when
-the run ends. The pid namespace means the death of its init kills every
-process in it, so nothing outlives the run.
+Isolation ``"bwrap"`` (bubblewrap) adds: new pid, net, ipc, uts and cgroup
+namespaces (the net namespace has only its own loopback, so nothing outside is
+reachable); ``--new-session`` (no TIOCSTI into our terminal); ``--die-with-parent``;
+a read-only root built from ``/usr`` (plus the ``/bin``, ``/lib*`` symlinks or dirs),
+the interpreter's prefix, ``extra_ro_paths`` and a few ``/etc`` files (``_ETC_FILES``;
+not ``/etc/shadow``, not ``$HOME``, not the repo), ``/proc/sys`` and
+``/proc/sysrq-trigger`` read-only, no ``/sys``. The only writable places are a
+private ``/tmp`` (cwd) and ``/dev/shm`` tmpfs, gone when the run ends. The pid
+namespace means the death of its init kills every process in it. The snippet never
+holds host privileges:
+
+* worker as root: no user namespace (its only mapping would be root onto root); the
+  supervisor keeps CAP_SETUID, CAP_SETGID and CAP_KILL only, and runs the snippet as
+  ``sandbox_uid`` (default ``DEFAULT_SANDBOX_UID``, no groups, no capabilities). The
+  supervisor is then another uid: the snippet cannot signal, trace or open its
+  ``/proc`` files, so its status pipe cannot be forged;
+* worker not root: a user namespace with every capability dropped; the snippet runs
+  as the worker's uid, which may signal its supervisor (a stopped supervisor ends
+  the run at the host's backstop, ``wall_s`` + ``_HOST_GRACE_S``).
+
+Both isolation modes add, where available:
+
+* a seccomp filter (``sandbox_seccomp``: ptrace, process_vm_*, mount, namespaces,
+  keyctl, bpf, perf_event_open, modules, kexec, ... refused), installed by the
+  supervisor in the snippet after ``PR_SET_NO_NEW_PRIVS``; without libseccomp the
+  sandbox warns once and runs without one (``CodeSandbox.seccomp``);
+* a cgroup per run (``sandbox_cgroup``: v2, or v1's memory and pids hierarchies,
+  where this process may make one, i.e. as root or with a delegated subtree):
+  ``memory_bytes`` and ``processes`` bound the whole run (memfds, tmpfs and every
+  process together; the snippet's tree is OOM-killed first), and everything still in
+  it when the run ends is killed, whatever the snippet did to its supervisor
+  (``CodeSandbox.whole_run_bound`` says ``cgroup`` or ``rlimit``).
 
 Isolation ``"rlimit"`` (the fallback where bwrap is missing or cannot create
 namespaces, e.g. in an unprivileged container) keeps the same rlimits, clean
-environment, supervisor and tree kill, and runs in a fresh temp directory
-that is removed afterwards; it has no filesystem, network or pid isolation
-and says so in a WARNING once per process.
+environment, supervisor and tree kill, the seccomp filter and the cgroup, and runs
+in a fresh temp directory that is removed afterwards; as root it runs the snippet as
+``sandbox_uid`` where that uid can execute the interpreter (not one under root's
+0700 home; then it runs as root and warns). It has no filesystem, network or pid
+isolation and says so in a WARNING once per process; as root without the uid drop
+the snippet can write host files and kernel settings.
 
-Limits that are set but not fully enforced (see the tests):
+Limits that are set but not fully enforced without a cgroup (see the tests):
 
 * ``RLIMIT_NPROC`` counts all processes *and threads* of the real uid, host
-  wide; the kernel never applies it to uid 0, so as root it is set but inert.
-  As a non-root user sharing the uid with a large trainer, raise it.
+  wide; the kernel never applies it to uid 0, so for a root snippet it is inert.
 * ``RLIMIT_CPU`` and ``RLIMIT_AS`` are per process: a snippet that forks gets
   ``cpu_s`` (and ``memory_bytes``) per child; ``wall_s`` bounds the total time.
 * ``tmp_bytes`` (size of the private tmpfs mounts) needs bubblewrap >= 0.10
   (``--size``); older bwrap mounts them with the kernel default (half of RAM)
-  and only ``file_bytes`` bounds each file.
-* No seccomp filter is installed; the snippet runs as the calling uid.
+  and only ``file_bytes`` bounds each file (the run's cgroup bounds them all).
+* A snippet that kills its supervisor (same uid: non-root worker, or rlimit as
+  root without the drop) can leave a ``setsid`` daemon behind when there is no
+  cgroup; with one, the run's end kills it.
 """
 
 from __future__ import annotations
@@ -84,6 +110,9 @@ from dataclasses import dataclass
 
 from laminar_common.errors import ConfigError, LaminarError
 
+from .sandbox_cgroup import RunCgroup, cgroup_layout
+from .sandbox_seccomp import compile_filter, seccomp_unavailable
+
 __all__ = [
     "CodeSandbox",
     "SandboxError",
@@ -96,6 +125,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ISOLATIONS = ("auto", "bwrap", "rlimit")
+DEFAULT_SANDBOX_UID = 65533
+"""The host uid (and gid) snippets run as when the worker is root: unprivileged, with no
+passwd entry and no files of its own. Give it a dedicated account if 65533 is taken."""
 _HOST_GRACE_S = 5.0  # supervisor startup + tree kill, before the host kills the group itself
 _REAP_TIMEOUT_S = 10.0
 _READ_CHUNK = 65536
@@ -114,13 +146,45 @@ _ETC_FILES = (
 )
 _ROOT_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
-# Runs as ``python -I -S -B -c _SUPERVISOR STATUS_FD WALL_S LIMITS ARGV...``; LIMITS is
-# ``NAME=soft:hard,...`` of resource.RLIMIT_* names. Stdlib only, single-threaded.
+# Runs as ``python -I -S -B -c _SUPERVISOR STATUS_FD WALL_S LIMITS DROP SECCOMP_FD ARGV...``;
+# LIMITS is ``NAME=soft:hard,...`` of resource.RLIMIT_* names, DROP ``uid:gid`` (or ``-``)
+# the snippet runs as, SECCOMP_FD an fd holding the BPF filter the snippet runs under
+# (or -1). Stdlib only, single-threaded.
 _SUPERVISOR = r"""
 import ctypes, os, resource, signal, sys, time
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 MAX_ROUNDS = 100000
+
+
+class Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def read_all(fd):
+    chunks = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def confine(libc, prog):
+    # no_new_privs (nothing exec'd regains privileges), then the seccomp filter: the
+    # last steps before exec, after the uid drop, so the supervisor is never filtered.
+    if prog:
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        buf = ctypes.create_string_buffer(prog, len(prog))
+        fprog = Fprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
+        if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog),
+                      ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
 
 
 def set_limits(spec):
@@ -134,11 +198,25 @@ def set_limits(spec):
         resource.setrlimit(res, (min(soft, hard), hard))
 
 
-def exec_snippet(libc, spec, argv):
+def exec_snippet(libc, spec, drop, prog, argv):
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # the run's cgroup OOM-kills the snippet's tree first, never its supervisor (set
+        # before the uid drop, which makes /proc/self root's; inherited by every child)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+        if drop != "-":
+            uid, gid = (int(x) for x in drop.split(":"))
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            if os.getuid() != uid or os.geteuid() != uid:
+                raise OSError("uid drop to %d did not take" % uid)
+            # the uid drop cleared PDEATHSIG: set it again
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         set_limits(spec)
+        confine(libc, prog)
         os.execv(argv[0], argv)
     except BaseException as exc:
         os.write(2, ("sandbox: cannot start the snippet: %r\n" % (exc,)).encode())
@@ -198,8 +276,10 @@ def kill_tree(pid, status):
 
 
 def main():
-    status_fd, wall_s, spec, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    status_fd, wall_s, spec = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+    drop, seccomp_fd, argv = sys.argv[4], int(sys.argv[5]), sys.argv[6:]
     os.set_inheritable(status_fd, False)
+    prog = read_all(seccomp_fd) if seccomp_fd >= 0 else b""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -207,7 +287,7 @@ def main():
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     pid = os.fork()
     if pid == 0:
-        exec_snippet(libc, spec, argv)
+        exec_snippet(libc, spec, drop, prog, argv)
     status, timed_out = None, False
     while status is None:
         status = reap_ready(pid)
@@ -299,6 +379,13 @@ class SandboxResult:
         duration_s: wall time of the whole run, sandbox startup included.
         killed_by: name of the signal that ended the snippet ("SIGXCPU", "SIGKILL"...).
         isolation: "bwrap" or "rlimit".
+        whole_run_bound: "cgroup" (memory and processes bounded for the run as a
+            whole) or "rlimit" (per process only).
+        memory_peak_bytes: the run's peak memory where its cgroup reports it.
+        leftover_killed: processes of the run still alive after its supervisor
+            ended, killed by the run's cgroup (e.g. daemons of a snippet that killed
+            its supervisor).
+        oom_kills: processes the run's cgroup killed for going over ``memory_bytes``.
     """
 
     stdout: str
@@ -309,6 +396,10 @@ class SandboxResult:
     duration_s: float
     killed_by: str | None
     isolation: str
+    whole_run_bound: str = "rlimit"
+    memory_peak_bytes: int | None = None
+    leftover_killed: int = 0
+    oom_kills: int = 0
 
     @property
     def ok(self) -> bool:
@@ -381,6 +472,12 @@ class CodeSandbox:
         site_packages: let the snippet import the interpreter's site-packages (and
             have ``exit()``/``quit()``); off runs it with ``-S``, stdlib only.
         extra_ro_paths: more host paths bound read-only at the same place (bwrap).
+        sandbox_uid: the unprivileged host uid (and gid) snippets run as when this
+            process is root; ignored otherwise (they run as this process's uid).
+        seccomp: install the seccomp filter (``sandbox_seccomp``) in every snippet;
+            where libseccomp is missing the sandbox runs without one and says so.
+        cgroups: bound memory and processes per run with a cgroup where this process
+            may make one (``sandbox_cgroup``); else rlimits only, said so.
 
     Raises:
         ConfigError: unknown isolation, invalid limits, a missing interpreter,
@@ -397,6 +494,9 @@ class CodeSandbox:
         bwrap: str = "bwrap",
         site_packages: bool = False,
         extra_ro_paths: Sequence[str] = (),
+        sandbox_uid: int = DEFAULT_SANDBOX_UID,
+        seccomp: bool = True,
+        cgroups: bool = True,
     ) -> None:
         if isolation not in ISOLATIONS:
             raise ConfigError(f"sandbox isolation must be one of {ISOLATIONS}, got {isolation!r}")
@@ -413,6 +513,28 @@ class CodeSandbox:
         if not self.python.startswith(prefix.rstrip("/") + "/"):
             ro_paths.append(os.path.dirname(self.python))  # e.g. a venv made with --copies
         self._ro_paths = [os.path.realpath(p) for p in ro_paths if not _under_usr(p)]
+        if not isinstance(sandbox_uid, int) or not 0 < sandbox_uid < 2**32 - 1:
+            raise ConfigError(f"sandbox_uid must be an unprivileged uid (> 0), got {sandbox_uid!r}")
+        self._privileged = os.geteuid() == 0
+        self.run_uid = sandbox_uid if self._privileged else os.geteuid()
+        """The host uid snippets run as."""
+        self._seccomp_prog = b""
+        self.seccomp = False
+        """Whether snippets run under the seccomp filter."""
+        if seccomp:
+            why = seccomp_unavailable()
+            if why is None:
+                self._seccomp_prog = compile_filter()
+                self.seccomp = True
+            else:
+                _warn_once("no-seccomp", "code sandbox runs WITHOUT a seccomp filter: %s", why)
+        self._cgroup_layout = cgroup_layout() if cgroups else None
+        self.whole_run_bound = "cgroup" if self._cgroup_layout else "rlimit"
+        """How memory and process count are bounded: per run (``cgroup``: every process
+        of the run together, shared memory included) or per process (``rlimit``)."""
+        if cgroups and self._cgroup_layout is None:
+            _warn_once("no-cgroup", "code sandbox: no cgroup this process may make, so memory "
+                       "and process limits hold per process (rlimits), not per run")
         self._bwrap = shutil.which(bwrap)
         self._bwrap_head: list[str] = []
         self._bwrap_tail: list[str] = []
@@ -420,6 +542,7 @@ class CodeSandbox:
         self.isolation = self._choose(isolation, bwrap)
         if self.isolation == "rlimit":
             _warn_weak_once(self._fallback_reason)
+        self._drop = self._drop_for_isolation()
         self._self_check()
 
     def _choose(self, isolation: str, bwrap: str) -> str:
@@ -433,7 +556,8 @@ class CodeSandbox:
                 )
             self._fallback_reason = f"bubblewrap {bwrap!r} is not on PATH"
             return "rlimit"
-        self._bwrap_head, self._bwrap_tail = _bwrap_args(self._bwrap, self._ro_paths, self.limits)
+        self._bwrap_head, self._bwrap_tail = _bwrap_args(self._bwrap, self._ro_paths, self.limits,
+                                                         privileged=self._privileged)
         argv = [*self._bwrap_head, *self._bwrap_tail, self.python, "-I", "-S", "-c", "pass"]
         error = _probe(tuple(argv))
         if error is None:
@@ -443,10 +567,32 @@ class CodeSandbox:
         self._fallback_reason = f"bubblewrap cannot run here: {error}"
         return "rlimit"
 
+    def _drop_for_isolation(self) -> str:
+        """The supervisor's DROP argument: ``uid:gid`` where this process is root.
+
+        Under bwrap the interpreter is bound into a tree the sandbox uid can walk. Under
+        rlimit the snippet sees the host's tree, so the drop holds only where that uid
+        can run the interpreter; where it cannot (a Python under root's 0700 home), the
+        snippet keeps root's uid, which rlimit isolation documents and warns about.
+        """
+        if not self._privileged:
+            return "-"
+        drop = f"{self.run_uid}:{self.run_uid}"
+        if self.isolation == "rlimit" and not _reachable_by(self.python, self.run_uid):
+            _warn_once("rlimit-root", "code sandbox (rlimit isolation, run as root): uid %d "
+                       "cannot run %s, so snippets run as root; install bubblewrap or put "
+                       "the interpreter where that uid can run it", self.run_uid, self.python)
+            self.run_uid = 0
+            return "-"
+        return drop
+
     def _self_check(self) -> None:
         key = (
             "self-check",
             self.isolation,
+            self._drop,
+            str(self.seccomp),
+            str(self.whole_run_bound),
             *self._bwrap_head,
             self.python,
             *self._snippet_flags,
@@ -478,6 +624,9 @@ class CodeSandbox:
             snippet = os.path.join(workdir, "snippet.py")
             with open(snippet, "wb") as f:
                 f.write(code.encode("utf-8", "surrogatepass"))
+            if self._drop != "-":  # the sandbox uid reads the snippet, nothing else here
+                os.chmod(workdir, 0o711)
+                os.chmod(snippet, 0o644)
             if self.isolation == "bwrap":
                 argv = [
                     *self._bwrap_head,
@@ -490,7 +639,9 @@ class CodeSandbox:
                 env = {"PATH": _SANDBOX_PATH, "LANG": "C.UTF-8"}
             else:
                 cwd = os.path.join(workdir, "work")
-                os.mkdir(cwd)
+                os.mkdir(cwd, 0o700)
+                if self._drop != "-":
+                    os.chown(cwd, self.run_uid, self.run_uid)
                 argv, snippet_path = [], snippet
                 env = _sandbox_env(home=cwd)
             return self._execute(
@@ -502,10 +653,12 @@ class CodeSandbox:
     def _execute(
         self, prefix: list[str], snippet: str, cwd: str, env: dict[str, str], stdin: bytes
     ) -> SandboxResult:
+        cgroup = self._run_cgroup()
         status_r, status_w = os.pipe()
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        bpf_fd = _bpf_fd(self._seccomp_prog) if self._seccomp_prog else -1
         argv = [
             *prefix,
             self.python,
@@ -517,10 +670,14 @@ class CodeSandbox:
             str(status_w),
             repr(float(self.limits.wall_s)),
             self.limits.rlimit_spec(),
+            self._drop,
+            str(bpf_fd),
             self.python,
             *self._snippet_flags,
             snippet,
         ]
+        if cgroup is not None:
+            argv = cgroup.enter(argv)
         started = time.monotonic()
         try:
             proc = subprocess.Popen(
@@ -528,7 +685,7 @@ class CodeSandbox:
                 stdin=in_r,
                 stdout=out_w,
                 stderr=err_w,
-                pass_fds=(status_w,),
+                pass_fds=(status_w,) + ((bpf_fd,) if bpf_fd >= 0 else ()),
                 cwd=cwd,
                 env=env,
                 start_new_session=True,
@@ -536,9 +693,11 @@ class CodeSandbox:
         except OSError as exc:
             for fd in (status_r, in_w, out_r, err_r):
                 os.close(fd)
+            if cgroup is not None:
+                cgroup.remove()
             raise SandboxError(f"cannot start the sandbox ({argv[0]}): {exc}") from exc
         finally:
-            for fd in (status_w, in_r, out_w, err_w):
+            for fd in (status_w, in_r, out_w, err_w) + ((bpf_fd,) if bpf_fd >= 0 else ()):
                 os.close(fd)
         out, err, status = (
             _Capture(self.limits.output_bytes),
@@ -558,9 +717,15 @@ class CodeSandbox:
             try:
                 proc.wait(timeout=_REAP_TIMEOUT_S)
             except subprocess.TimeoutExpired as exc:
+                self._end_cgroup(cgroup)
                 raise SandboxError(f"sandbox process {proc.pid} survived SIGKILL") from exc
+            # what is left of the run outlived its supervisor and group (setsid daemons)
+            leftover, peak, oom = self._end_cgroup(cgroup)
         duration = time.monotonic() - started
         exit_code, killed_by, timed_out = self._outcome(status.data.decode(), proc, backstop, err)
+        if leftover:
+            log.warning("sandbox run left %d process(es) behind its supervisor; killed them "
+                        "through its cgroup", leftover)
         return SandboxResult(
             stdout=out.text(),
             stderr=err.text(),
@@ -570,7 +735,34 @@ class CodeSandbox:
             duration_s=duration,
             killed_by=killed_by,
             isolation=self.isolation,
+            whole_run_bound=self.whole_run_bound,
+            memory_peak_bytes=peak,
+            leftover_killed=leftover,
+            oom_kills=oom,
         )
+
+    def _run_cgroup(self) -> RunCgroup | None:
+        if self._cgroup_layout is None:
+            return None
+        try:
+            return RunCgroup(self._cgroup_layout, self.limits.memory_bytes,
+                             self.limits.processes)
+        except OSError as exc:
+            raise SandboxError(f"cannot make the run's cgroup: {exc}") from exc
+
+    @staticmethod
+    def _end_cgroup(cgroup: RunCgroup | None) -> tuple[int, int | None, int]:
+        """Kill whatever of the run is still alive, remove its cgroup: (killed, peak
+        memory, OOM kills)."""
+        if cgroup is None:
+            return 0, None, 0
+        try:
+            peak, oom = cgroup.peak_memory_bytes(), cgroup.oom_kills()
+            return cgroup.kill_all(), peak, oom
+        except RuntimeError as exc:
+            raise SandboxError(str(exc)) from exc
+        finally:
+            cgroup.remove()
 
     def _outcome(
         self, line: str, proc: subprocess.Popen, backstop: bool, err: _Capture
@@ -591,6 +783,42 @@ class CodeSandbox:
         )
         killed_by = _signal_name(-proc.returncode) if proc.returncode < 0 else None
         return None, killed_by, False
+
+
+def _bpf_fd(prog: bytes) -> int:
+    """A memfd holding ``prog``, positioned at its start, for the supervisor to read."""
+    fd = os.memfd_create("laminar-sandbox-seccomp")
+    os.write(fd, prog)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _reachable_by(path: str, uid: int) -> bool:
+    """Whether ``uid`` (with no groups) may execute ``path``: every directory above it
+    searchable and the file executable by "other" or by that uid as owner."""
+    real = os.path.realpath(path)
+    parts = real.split("/")
+    for i in range(1, len(parts)):
+        target = "/".join(parts[: i + 1]) or "/"
+        try:
+            st = os.stat(target)
+        except OSError:
+            return False
+        bits = (st.st_mode >> 6) & 0o7 if st.st_uid == uid else st.st_mode & 0o7
+        if not bits & 0o1:  # search (directories) or execute (the file)
+            return False
+    return True
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: object) -> None:
+    with _probe_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(message, *args)
 
 
 def _under_usr(path: str) -> bool:
@@ -623,19 +851,25 @@ def _bwrap_supports_size(bwrap: str) -> bool:
 
 
 def _bwrap_args(
-    bwrap: str, ro_paths: Sequence[str], limits: SandboxLimits
+    bwrap: str, ro_paths: Sequence[str], limits: SandboxLimits, *, privileged: bool
 ) -> tuple[list[str], list[str]]:
-    """The bwrap argv up to where the per-run binds go, and after them (to ``--``)."""
-    head = [
-        bwrap,
-        "--unshare-all",
-        "--die-with-parent",
-        "--new-session",
-        "--cap-drop",
-        "ALL",
-        "--hostname",
-        "sandbox",
-    ]
+    """The bwrap argv up to where the per-run binds go, and after them (to ``--``).
+
+    ``privileged`` (this process is root): no user namespace, whose only mapping would
+    be the sandbox's root onto the host's root; the supervisor keeps CAP_SETUID and
+    CAP_SETGID (to run the snippet as the unprivileged sandbox uid) and CAP_KILL (to
+    kill that uid's processes at the run's end), nothing else. Otherwise a
+    user namespace (``--unshare-all``) with every capability dropped.
+    """
+    if privileged:
+        head = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+                "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+                "--cap-add", "CAP_KILL"]
+    else:
+        head = [bwrap, "--unshare-all", "--die-with-parent", "--new-session",
+                "--cap-drop", "ALL"]
+    head += ["--hostname", "sandbox"]
     for top in _ROOT_DIRS:
         if os.path.islink(top):
             head += ["--symlink", os.readlink(top), top]
@@ -643,22 +877,46 @@ def _bwrap_args(
             head += ["--ro-bind", top, top]
     for path in _ETC_FILES:
         head += ["--ro-bind-try", path, path]
+    made: set[str] = set()
     for path in ro_paths:
+        # bwrap would make the directories above a bind with their source's modes
+        # (root's home is 0700): make them 0755 so the sandbox uid can walk to it
+        parts = path.rstrip("/").split("/")
+        for i in range(2, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent not in made and not _under_usr(parent):
+                made.add(parent)
+                head += ["--perms", "0755", "--dir", parent]
         head += ["--ro-bind", path, path]
     size = ["--size", str(limits.tmp_bytes)] if _bwrap_supports_size(bwrap) else []
     head += [
         *size,
+        "--perms",
+        "1777",
         "--tmpfs",
         "/tmp",
         "--dev",
         "/dev",
         *size,
+        "--perms",
+        "1777",
         "--tmpfs",
         "/dev/shm",
         "--remount-ro",
         "/dev",
         "--proc",
         "/proc",
+        # kernel settings stay read-only whatever uid the snippet has
+        "--ro-bind",
+        "/proc/sys",
+        "/proc/sys",
+        "--ro-bind-try",
+        "/proc/sysrq-trigger",
+        "/proc/sysrq-trigger",
+        "--perms",
+        "0755",
+        "--dir",
+        os.path.dirname(_SNIPPET_IN_BWRAP),
     ]
     tail = ["--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
     for key, value in _sandbox_env(home="/tmp").items():
