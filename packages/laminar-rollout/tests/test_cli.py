@@ -19,8 +19,11 @@ MODELS = {"serve": (WorkerConfig, ["engine.type=simulated"]),
 
 
 @pytest.fixture(autouse=True)
-def _no_laminar_env(monkeypatch):
+def _no_laminar_env(monkeypatch, tmp_path):
     clear_laminar_env(monkeypatch)
+    # --print-config also reads the prompt file (the preflight): give the tests one
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    monkeypatch.chdir(tmp_path)
 
 
 def _option_envvars(command_name: str) -> dict[str, str]:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from laminar_common.errors import ConfigError
 
 __all__ = [
+    "PREFLIGHT_WARNING_PREFIX",
     "LaminarModel",
     "check_model_dir",
     "EtcdConfig",
@@ -433,3 +434,9 @@ def dump_config(config: BaseModel) -> str:
         return node
 
     return yaml.safe_dump(mask(data), sort_keys=False).rstrip()
+
+
+PREFLIGHT_WARNING_PREFIX = "laminar-preflight WARNING: "
+"""A line a tier's config check (``--print-config``) prints with this prefix is shown on
+``laminar up``'s console even when the check passes: what a user must know that does not
+stop the job."""

@@ -88,7 +88,16 @@ def _run(cmd: str, path: str | None, overrides: tuple[str, ...], print_config: b
         print(f"laminar-rollout {cmd}: {exc}", file=sys.stderr)
         return 2
     if print_config:
+        from .preflight import WARNING_PREFIX, check_manager, check_worker
+
         print(dump_config(config))
+        try:
+            warnings = check_worker(config) if cmd == "serve" else check_manager(config)
+        except LaminarError as exc:
+            print(f"laminar-rollout {cmd}: {exc}", file=sys.stderr)
+            return 2
+        for line in warnings:
+            print(f"{WARNING_PREFIX}{line}", file=sys.stderr)
         return 0
     member = config.worker_id if cmd == "serve" else config.manager_id
     setup_logging(config.logging.level, config.job, member, config.logging.json_format)

@@ -309,7 +309,8 @@ class LocalLauncher:
             old.unlink()  # a replica of an earlier launch's job file
         t0 = time.monotonic()
         checks, unchecked = self.tier_checks()
-        failures = preflight.run_checks(checks, stop=self._stop)
+        failures = preflight.run_checks(checks, stop=self._stop,
+                                        warn=lambda text: self._say(f"WARNING: {text}"))
         paths = preflight.setup_paths(
             (fill_placeholders(list(cmd), self.subs) for cmd in self.job.setup), self.run_dir)
         deferred = [f for f in failures if preflight.is_deferred(f.text, paths)]
@@ -332,7 +333,8 @@ class LocalLauncher:
         """
         if not checks:
             return
-        preflight.raise_for(preflight.run_checks(checks, stop=self._stop),
+        preflight.raise_for(preflight.run_checks(
+            checks, stop=self._stop, warn=lambda text: self._say(f"WARNING: {text}")),
                             self.job_file or "the job file", after_setup=True)
         self._say(f"checked {len(checks)} tier config(s) after the set-up")
 

@@ -27,14 +27,15 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from laminar_common.config import PREFLIGHT_WARNING_PREFIX as WARNING_PREFIX
 from laminar_common.errors import ConfigError, LaminarError
 
-__all__ = ["TierCheck", "CheckFailure", "default_check_args", "run_checks", "setup_paths",
-           "is_deferred", "failures_text", "raise_for"]
+__all__ = ["TierCheck", "CheckFailure", "WARNING_PREFIX", "default_check_args", "run_checks",
+           "setup_paths", "is_deferred", "failures_text", "raise_for"]
 
 _CHECK_ARGS = {
     ("laminar-relay", "serve"): ("--check",),
@@ -110,13 +111,16 @@ def is_deferred(text: str, paths: Sequence[str]) -> bool:
 
 
 def run_checks(checks: Sequence[TierCheck], timeout_s: float = 60.0, parallel: int | None = None,
-               stop: threading.Event | None = None) -> list[CheckFailure]:
+               stop: threading.Event | None = None,
+               warn: Callable[[str], None] | None = None) -> list[CheckFailure]:
     """Run every check, at most ``parallel`` at a time; return the failures in check order.
 
     Args:
         timeout_s: a check still running after this fails (its process is killed).
         parallel: processes at once (default: the CPU count, 2 to 8).
         stop: set (Ctrl-C) to kill the checks still running and raise.
+        warn: called with ``tier replica: text`` for each :data:`WARNING_PREFIX` line
+            (each distinct text once).
 
     Raises:
         LaminarError: ``stop`` was set, or a check's command cannot be started.
@@ -125,6 +129,7 @@ def run_checks(checks: Sequence[TierCheck], timeout_s: float = 60.0, parallel: i
     pending = list(enumerate(checks))
     running: dict[int, tuple[subprocess.Popen, object, float]] = {}
     results: dict[int, CheckFailure | None] = {}
+    warned: set[str] = set()
     stop = stop or threading.Event()
     try:
         while pending or running:
@@ -155,6 +160,12 @@ def run_checks(checks: Sequence[TierCheck], timeout_s: float = 60.0, parallel: i
                 if code is None:
                     text = f"no answer within {timeout_s:g}s\n{text}"
                 results[index] = None if code == 0 else CheckFailure(checks[index], code, text)
+                for line in text.splitlines():
+                    if warn is not None and line.startswith(WARNING_PREFIX):
+                        said = line[len(WARNING_PREFIX):]
+                        if said not in warned:
+                            warned.add(said)
+                            warn(f"{checks[index].replica}: {said}")
     finally:
         for proc, out, _ in running.values():
             proc.kill()
