@@ -356,3 +356,39 @@ def test_with_kv_reuse_a_turn_prefills_only_its_tool_results_and_samples_the_sam
     next_turns = sum(len(d.observation_spans) for d in reused)
     assert kept > 0 and reused_prefilled + kept + next_turns == plain_prefilled
     assert reused_prefilled < plain_prefilled / 2
+
+
+@pytest.mark.parametrize("text, says", [
+    ('<tool_call>{"name": "python", "arguments": ' + "[" * 3000 + "]" * 3000 + "}</tool_call>",
+     "nested"),
+    ('<tool_call>{"name": "\\ud800python", "arguments": {}}</tool_call>', "unknown tool"),
+    ('<tool_call>{"name": "python", "arguments": {"n": ' + "9" * 5000 + "}}</tool_call>",
+     "digits"),
+])
+def test_hostile_tool_call_text_is_a_tool_error_the_model_sees_not_a_crash(text, says):
+    tok = ByteTokenizer()
+    limits = TurnLimits(max_turns=2, max_tokens_per_turn=12000, max_total_tokens=20000)
+    pool = ThreadPoolExecutor(1)
+    conv = Conversations(tok, lambda rec: ToolEnvironment(rec, limits, {}, pool), limits)
+    done = _run(conv, ScriptedEngine([text, "ok"]), _task())
+    pool.shutdown()
+    [(start, end)] = done.observation_spans
+    observed = bytes(t - tok.OFFSET for t in done.response_token_ids[start:end]).decode()
+    assert "error" in observed and says in observed
+    assert conv.counters["env_errors"] == 0 and done.turns == 2
+
+
+def test_a_next_turn_that_cannot_be_built_ends_that_trajectory_counted_by_reason():
+    class Exploding(ByteTokenizer):
+        def encode_observation(self, *args, **kwargs):
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+    tok = Exploding()
+    limits = TurnLimits(max_turns=3, max_tokens_per_turn=200, max_total_tokens=1000)
+    pool = ThreadPoolExecutor(1)
+    conv = Conversations(tok, lambda rec: ToolEnvironment(rec, limits, {}, pool), limits)
+    done = _run(conv, ScriptedEngine(['<tool_call>{"name": "x"}</tool_call>', "ok"]), _task())
+    pool.shutdown()
+    assert done.turns == 1
+    assert conv.counters["env_errors"] == 1
+    assert conv.env_error_reasons == {"next_turn:UnicodeEncodeError": 1}

@@ -334,6 +334,9 @@ class WorkerService(Service):
                 "busy_fraction": self.busy_s / uptime if uptime else 0.0,
                 "weight_wait_s": self.weight_wait_s, "counters": dict(self.counters),
                 "kv_plane": dict(self.kv_plane.counters) if self.kv_plane else None,
+                "environment": None if self.conversations is None else {
+                    **self.conversations.counters,
+                    "errors_by_reason": dict(self.conversations.env_error_reasons)},
                 "weight_version": self.engine.weight_version, "outbox": len(self.outbox),
                 "started_at": self._t_start, "timeline": self.timeline}
 
