@@ -99,3 +99,12 @@ def test_an_answer_key_no_record_has_is_refused_or_warned(tmp_path, capsys):
     assert main(["manage", "--set", "prompts=train.jsonl", "--print-config"]) == 0
     err = capsys.readouterr().err
     assert f"{PREFLIGHT_WARNING_PREFIX}prompts (train.jsonl): no record has an answer" in err
+
+
+def test_a_refusal_is_the_error_alone_so_laminar_up_can_defer_it_past_the_set_up(capsys):
+    from laminar_common.launch.preflight import is_deferred
+
+    assert main(["manage", "--set", "prompts=run/train.jsonl", "--print-config"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # no config dump around the error
+    assert is_deferred(err, ["run/train.jsonl"])  # the set-up writes it: checked again after

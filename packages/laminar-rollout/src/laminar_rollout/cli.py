@@ -90,12 +90,13 @@ def _run(cmd: str, path: str | None, overrides: tuple[str, ...], print_config: b
     if print_config:
         from .preflight import WARNING_PREFIX, check_manager, check_worker
 
-        print(dump_config(config))
-        try:
+        try:  # before the config's dump: a refusal is then the error alone (laminar up
+            # defers one that names only a file its set-up writes)
             warnings = check_worker(config) if cmd == "serve" else check_manager(config)
         except LaminarError as exc:
             print(f"laminar-rollout {cmd}: {exc}", file=sys.stderr)
             return 2
+        print(dump_config(config))
         for line in warnings:
             print(f"{WARNING_PREFIX}{line}", file=sys.stderr)
         return 0
