@@ -99,7 +99,12 @@ def read_job_settings(path: str, overrides: list[str]) -> JobSettings:
     from laminar_common.data.records import DataConfig
     from laminar_common.launch.jobfile import fill_placeholders, load_job
     from laminar_common.launch.layout import apply_layout, usable_cores
-    from laminar_rollout.config import ManagerConfig, TorchEngineConfig, WorkerConfig
+    from laminar_rollout.config import (
+        ManagerConfig,
+        TorchEngineConfig,
+        VllmEngineConfig,
+        WorkerConfig,
+    )
     from laminar_trainer.config import (
         BufferConfig,
         CheckpointConfig,
@@ -123,11 +128,13 @@ def read_job_settings(path: str, overrides: list[str]) -> JobSettings:
     worker = config(worker_spec)
     trainer = config(_tier(job, ("laminar-trainer", "run"), "trainer"))
     engine = worker.get("engine", {})
-    if engine.get("type") != "torch":
+    engine_configs = {"torch": TorchEngineConfig, "vllm": VllmEngineConfig}
+    if engine.get("type") not in engine_configs:
         raise SystemExit(f"{path}: the workers' engine is {engine.get('type')!r}; this bench "
-                         "compares a torch-engine job (TRL generates with model.generate)")
+                         "compares a torch- or vLLM-engine job (TRL generates with "
+                         "model.generate)")
     engine = {name: engine.get(name, field.default)
-              for name, field in TorchEngineConfig.model_fields.items()}
+              for name, field in engine_configs[engine["type"]].model_fields.items()}
     if trainer.get("model_dir") != engine["model_dir"]:
         raise SystemExit(f"{path}: trainer.model_dir and the workers' engine.model_dir differ")
 
@@ -410,7 +417,9 @@ def compare_settings(s: JobSettings, lam: dict, trls: list[dict]) -> tuple[list[
         f"behaviour weights: Laminar's engines ({s.engine['dtype']}) sample with weights "
         f"published in {s.publish_dtype}; TRL samples with its {s.dtype} training weights",
         f"process layout: Laminar runs etcd, a relay, the manager, {s.workers} rollout "
-        f"worker(s) (torch engine, {s.engine['threads']} thread(s) each, continuous batching,"
+        f"worker(s) ({s.engine['type']} engine"
+        + (f", {s.engine['threads']} thread(s) each" if "threads" in s.engine else "")
+        + ", continuous batching,"
         f" max_batch {s.engine['max_batch']}) and the trainer ({s.trainer_threads} thread(s))"
         " as separate processes, generation overlapping training; TRL runs one process "
         f"({trl0['torch_threads']} torch threads) that alternates model.generate on the whole"
@@ -568,7 +577,7 @@ def report(s: JobSettings, lams: list[dict], trls: list[dict], matched: list[str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--job", default=str(ROOT / "examples" / "demo.yaml"),
-                   help="laminar up job file (torch engine, eval.prompts set)")
+                   help="laminar up job file (torch or vLLM engine, eval.prompts set)")
     p.add_argument("--seeds", type=int, default=1, help="TRL runs, seeds 0..N-1")
     p.add_argument("--laminar-runs", type=int, default=1,
                    help="Laminar runs of the job (the later ones reuse the first's set-up)")
