@@ -95,3 +95,15 @@ def test_setup_paths_are_the_path_arguments_but_not_the_run_dir():
 def test_only_failures_about_set_up_products_are_deferred(text, deferred):
     assert is_deferred(text, ["runs/demo/model", "runs/demo/train.jsonl"]) is deferred
     assert is_deferred(text, []) is False
+
+
+def test_a_passing_checks_warnings_reach_the_console_once_each():
+    from laminar_common.config import PREFLIGHT_WARNING_PREFIX
+
+    line = f"import sys; print({PREFLIGHT_WARNING_PREFIX + 'no seccomp'!r}, file=sys.stderr)"
+    said: list[str] = []
+    failures = run_checks([_check("worker", line, "worker-0"), _check("worker", line, "worker-1"),
+                           _check("relay", "print('not a warning')")],
+                          timeout_s=60, parallel=2, warn=said.append)
+    assert failures == []
+    assert len(said) == 1 and said[0].endswith(": no seccomp") and said[0].startswith("worker-")
