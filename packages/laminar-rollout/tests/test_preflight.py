@@ -101,10 +101,19 @@ def test_an_answer_key_no_record_has_is_refused_or_warned(tmp_path, capsys):
     assert f"{PREFLIGHT_WARNING_PREFIX}prompts (train.jsonl): no record has an answer" in err
 
 
-def test_a_refusal_is_the_error_alone_so_laminar_up_can_defer_it_past_the_set_up(capsys):
+def test_a_refusal_is_the_error_alone_so_laminar_up_can_defer_it_past_the_set_up(
+        tmp_path, capsys):
     from laminar_common.launch.preflight import is_deferred
 
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train.jsonl").write_text('{"question": "no prompt"}\n')
     assert main(["manage", "--set", "prompts=run/train.jsonl", "--print-config"]) == 2
     out, err = capsys.readouterr()
     assert out == ""  # no config dump around the error
-    assert is_deferred(err, ["run/train.jsonl"])  # the set-up writes it: checked again after
+    assert is_deferred(err, ["run/train.jsonl"])  # a set-up that writes it: checked after
+
+
+def test_a_prompt_file_not_there_yet_is_left_to_the_managers_start(capsys):
+    # a set-up step may write it; the manager refuses a missing file when it starts
+    assert main(["manage", "--set", "prompts=run/later.jsonl", "--print-config"]) == 0
+    assert "prompts: run/later.jsonl" in capsys.readouterr().out

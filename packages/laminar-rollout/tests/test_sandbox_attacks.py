@@ -28,22 +28,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from test_sandbox import BWRAP, needs_bwrap
 
 from laminar_rollout.sandbox import CodeSandbox, SandboxLimits
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def _bwrap_works() -> bool:
-    if shutil.which("bwrap") is None:
-        return False
-    probe = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"],
-                           capture_output=True, timeout=30)
-    return probe.returncode == 0
-
-
-needs_bwrap = pytest.mark.skipif(not _bwrap_works(),
-                                 reason="bubblewrap missing or cannot create namespaces")
 
 
 @pytest.fixture(params=[pytest.param("bwrap", marks=needs_bwrap), "rlimit"])
@@ -88,7 +77,7 @@ def test_kernel_settings_cannot_be_changed(sandbox):
 
 
 def test_the_snippet_holds_no_capabilities_under_bwrap():
-    if not _bwrap_works():
+    if not BWRAP:
         pytest.skip("bubblewrap missing")
     sb = CodeSandbox(isolation="bwrap")
     out = sb.run("print([l.split()[1] for l in open('/proc/self/status') "
@@ -296,7 +285,7 @@ def test_the_attacks_fail_as_an_unprivileged_user_too(tmp_path):
     if probe.returncode != 0:
         pytest.skip(f"the checkout at {REPO} is not readable by an unprivileged user")
     os.chmod(tmp_path, 0o755)
-    modes = ["rlimit"] + (["bwrap"] if _bwrap_works() else [])
+    modes = ["rlimit"] + (["bwrap"] if BWRAP else [])
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(map(str, [*sources, libs])),
            "HOME": str(tmp_path)}
     done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",

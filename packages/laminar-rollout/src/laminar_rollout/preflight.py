@@ -3,8 +3,9 @@
 ``laminar-rollout serve|manage --print-config`` (the check ``laminar up`` runs for
 every replica before any set-up step or tier starts) validates the config, then
 calls :func:`check_worker` / :func:`check_manager`: every data file the tier will
-read exists and parses (the manager's prompt file, every row, with the configured
-prompt and answer keys), and every code spec imports and has a signature Laminar
+read parses where it exists (the manager's prompt file, every row, with the
+configured prompt and answer keys; a file a set-up step will write is checked when
+the manager starts), and every code spec imports and has a signature Laminar
 can call (the reward, a custom environment, a custom engine factory). Each failure
 is a :class:`ConfigError` naming the field and the file; what a user must know but
 that does not stop the job (a tool sandbox that can only isolate by rlimits) is
@@ -31,11 +32,19 @@ WARNING_PREFIX = PREFLIGHT_WARNING_PREFIX
 def check_manager(config: Any) -> list[str]:
     """The prompt file parses, every row, with the configured keys.
 
+    A file that does not exist yet is left to the manager's start: a job's set-up may
+    write it (``laminar up`` checks before the set-up, and a set-up step may be told a
+    directory rather than the file); the manager refuses a missing file when it starts.
+
     Raises:
         ConfigError: naming ``prompts`` / ``data``, the file and the row.
     """
+    from pathlib import Path
+
     from .prompts import load_prompt_file
 
+    if not Path(config.prompts).exists():
+        return []
     try:
         records = load_prompt_file(config.prompts, config.data)
     except ConfigError as exc:
