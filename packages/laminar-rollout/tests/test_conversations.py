@@ -233,6 +233,23 @@ def _drive(conv: Conversations, engine, task: PromptTask, request, timeout_s: fl
     raise AssertionError("the conversation did not end in time")
 
 
+def begin_request(conv: Conversations, task: PromptTask, **params):
+    """The first request of ``task`` on a worker, as the worker builds it: a moved
+    trajectory's resumed tokens, version and KV cache included; ``params`` are the
+    :class:`SamplingParams` beside ``max_tokens``."""
+    from laminar_rollout.engines import GenerationRequest, SamplingParams
+    from laminar_rollout.engines.kv_wire import kv_from_wire
+
+    ids, max_tokens = conv.begin(task)
+    return GenerationRequest(
+        request_id=task.trajectory_id, prompt_token_ids=ids,
+        resume_token_ids=list(task.resume_token_ids),
+        resume_logprobs=list(task.resume_logprobs),
+        policy_version=task.policy_version if task.resume_token_ids else None,
+        params=SamplingParams(max_tokens=max_tokens, **params),
+        kv=kv_from_wire(task.kv) if task.kv is not None else None)
+
+
 @pytest.mark.parametrize("with_kv", [False, True], ids=["re-prefilled", "kv-moved"])
 def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_not_moved(
         with_kv):
@@ -244,8 +261,7 @@ def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_n
     prefills nothing."""
     import torch
 
-    from laminar_rollout.engines import GenerationRequest, SamplingParams, TorchEngine
-    from laminar_rollout.engines.kv_wire import kv_from_wire
+    from laminar_rollout.engines import TorchEngine
 
     model = _tiny_model(seed=0)
     tok = ByteTokenizer()
@@ -266,15 +282,7 @@ def test_a_conversation_moved_mid_turn_between_torch_engines_ends_as_if_it_had_n
     stops = tuple(range(200, 259))  # about 1 token in 5 ends a turn
 
     def request(conv, task):
-        ids, max_tokens = conv.begin(task)
-        return GenerationRequest(
-            request_id=task.trajectory_id, prompt_token_ids=ids,
-            resume_token_ids=list(task.resume_token_ids),
-            resume_logprobs=list(task.resume_logprobs),
-            policy_version=task.policy_version if task.resume_token_ids else None,
-            params=SamplingParams(max_tokens=max_tokens, stop_token_ids=stops,
-                                  seed=task.sampling.seed),
-            kv=kv_from_wire(task.kv) if task.kv is not None else None)
+        return begin_request(conv, task, stop_token_ids=stops, seed=task.sampling.seed)
 
     for seed in range(40):  # a seed whose second turn is long enough to be cut midway
         task = PromptTask(trajectory_id=f"p{seed}#0", prompt_id=f"p{seed}", group_size=1,

@@ -307,7 +307,7 @@ def test_a_multi_turn_conversation_moves_mid_turn_from_vllm_to_a_torch_engine(en
     engine, same weights and version) re-prefills and finishes it. Greedy, so it ends
     with the tokens it would have had on vLLM alone, log-probs within 1e-4."""
     import msgspec
-    from test_conversations import _drive
+    from test_conversations import _drive, begin_request
 
     from laminar_common.codec import PromptTask, SamplingSpec
     from laminar_rollout.conversations import Conversations
@@ -323,14 +323,7 @@ def test_a_multi_turn_conversation_moves_mid_turn_from_vllm_to_a_torch_engine(en
         return SimulatedToolEnvironment(rec, limits, median_s=0.0, tail_ratio=1, tool_turns=1)
 
     def request(conv, task):
-        ids, max_tokens = conv.begin(task)
-        return GenerationRequest(
-            request_id=task.trajectory_id, prompt_token_ids=ids,
-            resume_token_ids=list(task.resume_token_ids),
-            resume_logprobs=list(task.resume_logprobs),
-            policy_version=task.policy_version if task.resume_token_ids else None,
-            params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                  stop_token_ids=stops))
+        return begin_request(conv, task, temperature=0.0, stop_token_ids=stops)
 
     for k in range(40):  # a prompt whose second turn is long enough to be cut midway
         task = PromptTask(trajectory_id=f"mt{k}-{time.monotonic_ns()}#0", prompt_id=f"mt{k}",
