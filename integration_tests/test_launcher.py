@@ -81,7 +81,7 @@ def test_laminar_up_ray_backend_restarts_killed_replicas_and_the_trainer_resumes
                       str(tmp_path / "up.log"), cwd=str(tmp_path))
     try:
         up.wait_for_line(r"started relay-0 as a Ray actor", 120)
-        up.wait_for_line(r"trainer: STEP 3 ", 240)
+        up.wait_for_line(r"trainer: STEP 3 ", 420)  # Ray actors start slowly on 2 busy cores
         assert not any("started relay-1" in line for line in up.lines)
         victims = _pids_with("laminar-worker-0-")
         assert victims, "no worker-0 process found"
