@@ -167,6 +167,79 @@ def test_resume_rolls_back_past_the_checkpoint(tmp_path, model_dir):
         svc2.close()
 
 
+def test_after_a_resume_trajectories_older_than_the_bound_are_generated_again(
+        tmp_path, model_dir):
+    """Resumed from step 2 (published again as v3) with a staleness bound of 1: what
+    workers generated with their initial weights (v0, before the resumed version reached
+    them) is refused, not as broken (never given up on) but to be generated again, and
+    never trained; v2 and newer trains, whatever the buffer's policy (fifo here)."""
+    h = Harness(tmp_path, model_dir, total_steps=4, buffer={"max_staleness": 1})
+    svc = h.start()
+    h.send(svc, [t for p in "abcd" for t in _trajs(p)])
+    assert _wait(lambda: svc.step == 2, 60)
+    svc.fail(RuntimeError("simulated crash after step 2 (checkpoint at 2)"))
+
+    svc2 = h.start(resume=True)
+    try:
+        assert svc2.step == 2 and svc2.version == 3 and svc2._resume_floor == 2
+        stale = [t for p in "ef" for t in _trajs(p, version=0)]
+        h.send(svc2, stale * 2)  # and again: still not given up on
+        assert _wait(lambda: svc2.refused_stale_resume == 8, 20), svc2.refused_stale_resume
+        assert len(svc2.buffer) == 0 and svc2.step == 2
+        h.send(svc2, [t for p in "gh" for t in _trajs(p, version=2)])
+        # e and f generated again by the resumed weights
+        h.send(svc2, [t for p in "ef" for t in _trajs(p, version=3)])
+        assert _wait(lambda: svc2.finished.is_set(), 60)
+        h.drain_acks(1.0)
+        refused = [r for r in h.rejections if r.trajectory_id[0] in "ef"]
+        assert len(refused) == 8 and not any(r.final for r in refused), refused
+        assert "stale after resume" in refused[0].reason
+        lines = [json.loads(x) for x in (tmp_path / "run" / "consumed.jsonl").read_text()
+                 .splitlines()]
+        assert [x["step"] for x in lines] == [1, 2, 3, 4]
+        after = sorted(i for x in lines[2:] for i in x["ids"])
+        assert after == [f"{p}#{i}" for p in "efgh" for i in range(2)]
+        # trained: the v2 and v3 copies only (staleness from the versions they were taken at)
+        assert set(svc2.buffer.stats.staleness) <= {0, 1, 2}
+        assert svc2.summary()["refused_stale_after_resume"] == 8
+    finally:
+        svc2.close()
+
+
+def test_a_first_step_whose_every_reward_failed_stops_the_trainer_with_the_cause(
+        tmp_path, model_dir, capsys):
+    """A missing answer key or a broken reward makes every reward of the step fail: the
+    trainer stops at its first step with the cause (not a run that ends 0 with reward 0),
+    trains and acks nothing. Later, one failed reward in a step is shown on its line."""
+    h = Harness(tmp_path, model_dir, total_steps=2)
+    svc = h.start()
+    err = "ValueError: the 'math' reward needs the ground truth in metadata['answer']"
+    try:
+        h.send(svc, [_bad(t, reward_error=err, reward=0.0) for p in "ab" for t in _trajs(p)])
+        assert _wait(lambda: svc.failure is not None, 30)
+        text = str(svc.failure)
+        assert "step 1: every reward of the step failed (4 of 4)" in text and err in text
+        assert "answer_key" in text and svc.step == 0
+        h.drain_acks(0.5)
+        assert h.acked == []
+    finally:
+        svc.close()
+
+    h2 = Harness(tmp_path / "2", model_dir, total_steps=1)
+    svc = h2.start()
+    try:
+        trajs = [t for p in "ab" for t in _trajs(p)]
+        trajs[1] = _bad(trajs[1], reward_error=err)
+        h2.send(svc, trajs)
+        assert _wait(lambda: svc.finished.is_set(), 60)
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("STEP 1 "))
+        assert "| 1/1 |" in line and "REWARD ERRORS 1/4 (1 so far)" in line, line
+        assert "elapsed, ETA 0:00" in line and "tok/s" in line
+        assert svc.summary()["reward_errors"] == 1
+    finally:
+        svc.close()
+
+
 def test_graceful_stop_writes_a_final_checkpoint_and_acks_it(tmp_path, model_dir):
     h = Harness(tmp_path, model_dir, total_steps=5)
     svc = h.start()

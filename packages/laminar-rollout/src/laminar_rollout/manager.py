@@ -65,6 +65,11 @@ __all__ = ["ManagerService"]
 
 log = logging.getLogger(__name__)
 
+RESUME_HOLD_S = 120.0
+"""How long a resumed manager holds new work for the resumed weights (see ``_resume_hold``)
+before it sends work out at what it has (a trainer that kept running but waits for data
+publishes nothing new)."""
+
 
 @dataclass
 class WorkerState:
@@ -135,6 +140,12 @@ class ManagerService(Service):
         """The trainer's step at its latest published version (what ``max_waiting`` counts
         as consumed)."""
         self.batch = -1
+        self._resume_hold: tuple[int, float] | None = None
+        """After ``--resume``: (the newest version this manager had seen, when it saved).
+        No new work goes out until a version at least that new, or one published after
+        that save (the resumed trainer's), is known: until then the workers hold their
+        initial weights, and what they generated would be older than any staleness bound."""
+        self._resume_hold_deadline = 0.0
         if resume:
             self._restore()
         self.stats = ManagerStats()
@@ -180,6 +191,9 @@ class ManagerService(Service):
                                        epoch=int(cursor["epoch"]), position=int(cursor["position"]),
                                        shuffle=shuffle, seed=seed)
             self.batch = int(data["summary"].get("batch", -1))
+            seen = int(data["summary"].get("latest_version", 0))
+            # Weights v0 are every worker's initial ones: nothing newer seen, nothing to wait for.
+            self._resume_hold = (seen, float(data.get("saved_at", 0.0))) if seen > 0 else None
             self.ledger = TrajectoryLedger.restored(data["ledger"], self.cursor.lookup,
                                                     self.sampling, self.config.ledger_keep_groups)
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -208,6 +222,14 @@ class ManagerService(Service):
         if latest is not None:
             self.latest = latest.version
             self._trainer_step = _trainer_step(latest)
+        if self._resume_hold is not None:
+            self._resume_hold_deadline = time.monotonic() + RESUME_HOLD_S
+            self._release_resume_hold(latest)
+            if self._resume_hold is not None:
+                log.warning("resumed: no new work until the trainer publishes its resumed "
+                            "weights (this manager had seen v%d; etcd has %s)",
+                            self._resume_hold[0],
+                            "none" if latest is None else f"v{latest.version}")
         extra = {Extra.ACK: ack_address, Extra.MODE: self.config.mode, Extra.READY: "1"}
         if self.config.metrics.port is not None:
             self.metrics = MetricsServer(Role.MANAGER, self.config.job, self.config.manager_id,
@@ -273,6 +295,7 @@ class ManagerService(Service):
                 return
             if kind == "latest":
                 assert isinstance(payload, VersionRecord)
+                self._release_resume_hold(payload)
                 if payload.version > self.latest:
                     self.latest = payload.version
                     self._trainer_step = max(self._trainer_step, _trainer_step(payload))
@@ -290,6 +313,27 @@ class ManagerService(Service):
                         self.stats.lease_expired_kept += 1
                         log.warning("worker %s: lease expired but it was heard from %.1fs ago; "
                                     "keeping it (etcd paused?)", payload.member_id, silent)
+
+    def _release_resume_hold(self, record: VersionRecord | None) -> None:
+        """End the hold after ``--resume`` (see ``_resume_hold``) once ``record`` is the
+        resumed run's weights: as new as what was seen before, or published since."""
+        if self._resume_hold is None or record is None:
+            return
+        seen, saved_at = self._resume_hold
+        if record.version >= seen or record.published_at > saved_at:
+            self._resume_hold = None
+            log.info("resumed: new work goes out at v%d", record.version)
+
+    def _holding_for_resume(self) -> bool:
+        if self._resume_hold is None:
+            return False
+        if time.monotonic() < self._resume_hold_deadline:
+            return True
+        log.warning("resumed: no version newer than v%d for %.0fs; sending work out at v%d "
+                    "(the trainer refuses what is staler than its bound after a resume)",
+                    self._resume_hold[0], RESUME_HOLD_S, self.latest)
+        self._resume_hold = None
+        return False
 
     def _handle(self, peer: str, msg: codec.Message) -> None:
         if isinstance(msg, codec.Hello):
@@ -498,6 +542,8 @@ class ManagerService(Service):
         views = self._views()
         if not views:
             return
+        if self.config.mode == "laminar" and self._holding_for_resume():
+            return
         if self.ledger.pending_resumable():
             self._place_resumables(views)
             views = self._views()
@@ -672,6 +718,7 @@ class ManagerService(Service):
             "cursor": self.cursor.state(),
             "batch": self.batch,
             "prompts_exhausted": self.cursor.exhausted(),
+            "holding_for_resume": self._resume_hold is not None,
             "settled": self.ledger.settled(),
             "settled_below": self.ledger.settled_below,
             "compacted_groups": self.ledger.compacted_groups,
@@ -706,7 +753,7 @@ class ManagerService(Service):
         self._last_state_write = now
         os.makedirs(self.config.state_dir, exist_ok=True)
         ledger = self.ledger.snapshot()
-        data = {"summary": self.summary(), "ledger": ledger}
+        data = {"summary": self.summary(), "ledger": ledger, "saved_at": time.time()}
         path = self._state_path()
         tmp = path + ".tmp"
         with open(tmp, "w") as fh:

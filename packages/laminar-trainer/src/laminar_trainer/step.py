@@ -127,7 +127,8 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) 
 def trajectory_metrics(trajs: list[Trajectory]) -> dict:
     """What a step's trajectories look like: response length (generated tokens) mean/max,
     the fraction cut at ``max_tokens`` (``truncation_rate``) and the mean reward per
-    ``data_source`` (``reward_by_source``; trajectories without one under ``"none"``)."""
+    ``data_source`` (``reward_by_source``; trajectories without one under ``"none"``), and
+    how many there were and how many of their rewards failed (``reward_errors``)."""
     lengths = [t.generated_tokens for t in trajs]
     by_source: dict[str, list[float]] = {}
     for t in trajs:
@@ -138,6 +139,8 @@ def trajectory_metrics(trajs: list[Trajectory]) -> dict:
         "truncation_rate": (sum(t.finish_reason == "length" for t in trajs) / len(trajs)
                             if trajs else 0.0),
         "reward_by_source": {k: statistics.fmean(v) for k, v in sorted(by_source.items())},
+        "trajectories": len(trajs),
+        "reward_errors": sum(t.reward_error is not None for t in trajs),
     }
 
 
