@@ -210,3 +210,42 @@ def test_tiers_get_passive_openmp_waits_unless_the_environment_says_otherwise():
 
     assert tier_env({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert tier_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+
+
+def _stateful_job(tmp_path: Path) -> Path:
+    """A job whose trainer and manager are Laminar's (resumable) tiers; never started."""
+    job = {"job": "j", "run_dir": str(tmp_path / "run"),
+           "etcd": {"embedded": False, "endpoints": ["127.0.0.1:9"]},
+           "tiers": {"manager": {"command": ["laminar-rollout", "manage"],
+                                 "config": {"state_dir": "{run_dir}/manager"}},
+                     "trainer": {"command": ["laminar-trainer", "run"],
+                                 "config": {"checkpoint": {"dir": "{run_dir}/ckpt"}}}},
+           "wait_for": "trainer"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def test_a_new_launch_over_checkpoints_is_refused_and_resume_or_fresh_say_what_they_do(
+        tmp_path, capsys):
+    from laminar_common.launch.jobfile import for_resume
+
+    path = _stateful_job(tmp_path)
+    ckpt = tmp_path / "run" / "ckpt"
+    (ckpt / "step-00000030").mkdir(parents=True)
+    (ckpt / "LATEST").write_text("step-00000030")
+    with pytest.raises(ConfigError, match=r"earlier run's checkpoints \(trainer: .*step-00000030"
+                                          r"\): laminar up --resume .* --fresh"):
+        LocalLauncher(load_job(path)).check_earlier_run()
+
+    fresh = LocalLauncher(load_job(path), start="fresh")
+    fresh.check_earlier_run()
+    assert "--fresh: trainer removes the earlier run's checkpoints" in capsys.readouterr().out
+
+    job = for_resume(load_job(path))
+    assert job.tiers["trainer"].args == ("--resume",) == job.tiers["manager"].args
+    assert for_resume(job).tiers["trainer"].args == ("--resume",)  # not twice
+    LocalLauncher(job, start="resume").check_earlier_run()
+    out = capsys.readouterr().out
+    assert f"--resume: trainer goes on from {ckpt / 'step-00000030'}" in out
+    assert "--resume: manager has nothing to resume from (state_dir " in out

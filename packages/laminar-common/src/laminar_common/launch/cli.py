@@ -139,13 +139,21 @@ def demo(members: int, ttl: int) -> int:
 @_option("--address", "--ray-address", "ray_address", default=None,
               help="Ray cluster address, e.g. HEAD_IP:6379 (default: start a local Ray)")
 @_option("--num-cpus", type=int, default=None, help="CPUs of a local Ray")
+@_option("--resume", is_flag=True, default=False,
+         help="go on with the run in run_dir: the trainer from its latest checkpoint, the "
+              "manager from its saved ledger (every tier's --resume)")
+@_option("--fresh", is_flag=True, default=False,
+         help="start a new run where run_dir holds an earlier one's checkpoints (removes them)")
 def up(job: str, overrides: tuple[str, ...], backend: str, ray_address: str | None,
-       num_cpus: int | None) -> int:
+       num_cpus: int | None, resume: bool, fresh: bool) -> int:
     from laminar_common.launch.up import run_job
     from laminar_common.logs import setup_logging
 
+    if resume and fresh:
+        raise click.UsageError("--resume and --fresh exclude each other")
     setup_logging("WARNING")
-    return run_job(job, list(overrides), backend, ray_address, num_cpus)
+    return run_job(job, list(overrides), backend, ray_address, num_cpus,
+                   start="resume" if resume else "fresh" if fresh else "new")
 
 
 @cli.command(help="Summarize a trainer run (RUN_DIR: the trainer's run_dir) and plot its metrics.",

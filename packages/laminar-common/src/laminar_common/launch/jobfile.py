@@ -15,7 +15,12 @@ from pydantic import Field, field_validator
 from laminar_common.config import LaminarModel, load_config
 from laminar_common.keys import validate_name
 
-__all__ = ["EtcdSpec", "TierSpec", "JobFile", "load_job", "fill_placeholders"]
+__all__ = ["EtcdSpec", "TierSpec", "JobFile", "load_job", "fill_placeholders", "resume_args",
+           "for_resume", "RESUMABLE_COMMANDS"]
+
+RESUMABLE_COMMANDS = (("laminar-trainer", "run"), ("laminar-rollout", "manage"))
+"""Laminar's tiers that keep state to resume from (checkpoint.dir, state_dir): ``laminar up
+--resume`` and a Ray restart give them ``--resume``."""
 
 
 class EtcdSpec(LaminarModel):
@@ -114,3 +119,20 @@ def fill_placeholders(value: Any, subs: dict[str, str]) -> Any:
 
 def load_job(path: str | os.PathLike[str], overrides: list[str] = ()) -> JobFile:
     return load_config(JobFile, path, overrides, env={})
+
+
+def resume_args(spec: TierSpec) -> tuple[str, ...]:
+    """The arguments that make ``spec``'s tier resume: its ``restart_args`` where the job
+    gives them, else ``--resume`` for Laminar's trainer and manager, else none."""
+    if spec.restart_args:
+        return tuple(spec.restart_args)
+    return ("--resume",) if tuple(spec.command[:2]) in RESUMABLE_COMMANDS else ()
+
+
+def for_resume(job: JobFile) -> JobFile:
+    """``job`` with every tier's resume arguments added (``laminar up --resume``)."""
+    tiers = {}
+    for name, spec in job.tiers.items():
+        extra = tuple(a for a in resume_args(spec) if a not in spec.args)
+        tiers[name] = spec.model_copy(update={"args": (*spec.args, *extra)}) if extra else spec
+    return job.model_copy(update={"tiers": tiers})

@@ -71,8 +71,9 @@ import yaml
 from laminar_common.auth import ETCD_CA, ETCD_TLS_FIELDS, etcd_tls_for
 from laminar_common.errors import ConfigError, LaminarError
 from laminar_common.launch import preflight
+from laminar_common.launch.databudget import check_data_budget
 from laminar_common.launch.hosts import check_auth, is_laminar_tier, spanning_reasons
-from laminar_common.launch.jobfile import JobFile, TierSpec, fill_placeholders
+from laminar_common.launch.jobfile import RESUMABLE_COMMANDS, JobFile, TierSpec, fill_placeholders
 from laminar_common.launch.layout import apply_layout, usable_cores
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.launch.processes import ChildProcess, tier_env
@@ -96,7 +97,10 @@ class LocalLauncher:
     lays_out = True
     """Whether ``layout: auto`` applies (this machine's cores run every tier)."""
 
-    def __init__(self, job: JobFile, echo: bool = True, job_file: str | None = None) -> None:
+    def __init__(self, job: JobFile, echo: bool = True, job_file: str | None = None,
+                 start: str = "new") -> None:
+        self.start = start
+        """``new``, ``resume`` or ``fresh`` (see :func:`laminar_common.launch.up.run_job`)."""
         self.cores = usable_cores()
         job, self.layout, self._layout_said = apply_layout(job, self.cores) \
             if self.lays_out else (job, None, [])
@@ -341,6 +345,7 @@ class LocalLauncher:
     def prepare(self, check: bool = True) -> None:
         """Everything before the tiers: lock, config checks, launch stamp, set-up, etcd."""
         self.launch.lock()
+        self.check_earlier_run()
         self.check_hosts()
         deferred = self.check_configs() if check else []
         self.launch.begin(self.job.job, self.job_file,
@@ -353,7 +358,48 @@ class LocalLauncher:
                       f"layout): {'; '.join(self._layout_said)}")
         self.run_setup()
         self.recheck_configs(deferred)
+        self.check_data()
         self.start_etcd()
+
+    def check_data(self) -> None:
+        """The prompts last the training (:mod:`.databudget`), after the set-up wrote them.
+
+        Raises:
+            ConfigError: they run out before the trainer's last step.
+        """
+        tiers = {tier: (tuple(spec.command), self._replica(tier, spec, 0)[2])
+                 for tier, spec in self.job.tiers.items()}
+        for text in check_data_budget(tiers):
+            self._say(f"WARNING: {text}")
+
+    def check_earlier_run(self) -> None:
+        """What the run dir holds of an earlier run, said before anything starts: a new
+        run is refused where a tier's checkpoints would be removed (``--resume`` or
+        ``--fresh`` says which); ``--resume`` says where each resumable tier goes on from.
+
+        Raises:
+            ConfigError: a new start (no ``--resume`` or ``--fresh``) over checkpoints.
+        """
+        for tier, spec in self.job.tiers.items():
+            if tuple(spec.command[:2]) not in RESUMABLE_COMMANDS:
+                continue
+            _, _, config = self._replica(tier, spec, 0)
+            trainer = tuple(spec.command[:2]) == RESUMABLE_COMMANDS[0]
+            where = (config.get("checkpoint") or {}).get("dir") if trainer \
+                else config.get("state_dir")
+            found = _saved_state(Path(where), trainer) if where else None
+            if self.start == "resume":
+                self._say(f"--resume: {tier} goes on from {found}" if found else
+                          f"--resume: {tier} has nothing to resume from "
+                          f"({'checkpoint.dir' if trainer else 'state_dir'} "
+                          f"{where or 'unset'}): it starts fresh")
+            elif found and trainer and self.start == "new":
+                raise ConfigError(
+                    f"{self.run_dir} holds an earlier run's checkpoints ({tier}: {found}): "
+                    "laminar up --resume goes on from them, --fresh starts a new run and "
+                    "removes them")
+            elif found and trainer:
+                self._say(f"--fresh: {tier} removes the earlier run's checkpoints ({found})")
 
     def start_tiers(self) -> dict[str, list[ChildProcess]]:
         logs = self.run_dir / "logs"
@@ -465,7 +511,7 @@ class LocalLauncher:
                     self._say(f"timeout after {self.job.timeout_s:.0f}s: shutting down")
                     return 124
                 for line in target[0].lines[seen:]:
-                    if line.startswith(("STEP", "EVAL")):
+                    if line.startswith(("STEP", "EVAL", "WAITING")):
                         self._say(f"{target[0].name}: {line}")
                 seen = len(target[0].lines)
                 failed = self.exited_early()
@@ -543,7 +589,10 @@ class LocalLauncher:
 
         since = self.launch.started_at
         try:
-            rows, summary = load_metrics(run_dir, since=since)
+            # A resumed trainer cut metrics.jsonl back to its checkpoint and went on: every
+            # row is this run's, the launches before this one included.
+            rows, summary = load_metrics(run_dir, since=since,
+                                         rows_since=None if self.start == "resume" else since)
         except LaminarError as exc:
             self._say(f"no report: {exc}")
             return
@@ -555,6 +604,19 @@ class LocalLauncher:
                      " (no summary.json from this launch: the run did not finish)"))
         self._say("plot: " + (", ".join(map(str, plots)) if plots else
                               "none (pip install matplotlib to plot)"))
+
+
+def _saved_state(where: Path, trainer: bool) -> str | None:
+    """The checkpoint (trainer) or ledger state (manager) a resume would read, or None."""
+    if not trainer:
+        path = where / "manager_state.json"
+        return str(path) if path.is_file() else None
+    latest = where / "LATEST"
+    try:
+        name = latest.read_text().strip()
+    except OSError:
+        return None
+    return str(where / name) if name else None
 
 
 def _etcd_tls_of(tier: str, config: dict[str, Any]) -> tuple[dict[str, str], str]:

@@ -147,8 +147,8 @@ class RayLauncher(LocalLauncher):
     """A cluster's nodes, not this machine's cores, run the tiers: no ``layout: auto``."""
 
     def __init__(self, job: JobFile, address: str | None = None, num_cpus: int | None = None,
-                 echo: bool = True, job_file: str | None = None) -> None:
-        super().__init__(job, echo, job_file)
+                 echo: bool = True, job_file: str | None = None, start: str = "new") -> None:
+        super().__init__(job, echo, job_file, start=start)
         try:
             import ray
         except ImportError as exc:
@@ -261,7 +261,7 @@ class RayLauncher(LocalLauncher):
                                            f"300s of a restart: {exc}") from exc
                     continue
                 for line in lines:
-                    if line.startswith(("STEP", "EVAL", "TRAINER")):
+                    if line.startswith(("STEP", "EVAL", "TRAINER", "WAITING")):
                         self._say(f"{self.job.wait_for}: {line[:300]}")
                 if not alive and code not in (None, 0) and \
                         (spec.max_restarts < 0 or restarts < spec.max_restarts):
@@ -297,6 +297,6 @@ class RayLauncher(LocalLauncher):
 
 
 def run_on_ray(job: JobFile, address: str | None, num_cpus: int | None,
-               job_file: str | None = None) -> int:
-    return RayLauncher(job, address, num_cpus, job_file=job_file).run()
+               job_file: str | None = None, start: str = "new") -> int:
+    return RayLauncher(job, address, num_cpus, job_file=job_file, start=start).run()
 

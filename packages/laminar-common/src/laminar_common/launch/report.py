@@ -65,12 +65,18 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def load_metrics(run_dir: str | Path, since: float | None = None) -> tuple[list[dict], dict]:
+_SINCE = object()
+
+
+def load_metrics(run_dir: str | Path, since: float | None = None,
+                 rows_since: float | None | object = _SINCE) -> tuple[list[dict], dict]:
     """The rows of ``metrics.jsonl`` and ``summary.json`` (``{}`` until the run ends).
 
     Args:
         since: wall time; only rows of steps that ended at or after it, and
             ``summary.json`` only if written since (None: everything).
+        rows_since: the rows' bound where it differs from ``since`` (None: every row of a
+            file written since ``since``, as after a resume).
 
     Raises:
         LaminarError: no ``metrics.jsonl`` (or none written since ``since``:
@@ -88,10 +94,11 @@ def load_metrics(run_dir: str | Path, since: float | None = None) -> tuple[list[
         raise LaminarError(f"{path} is an earlier launch's (last written {_when(written)}, "
                            f"before this launch began at {_when(since)}): the trainer wrote "
                            "no step in this launch")
+    rows_bound = since if rows_since is _SINCE else rows_since
     rows = []
     for where, row in iter_jsonl(path):
         row = _checked(row, _ROW_FIELDS, where)
-        if since is None or row["time"] >= since:
+        if rows_bound is None or row["time"] >= rows_bound:
             rows.append(row)
     summary_path = run / "summary.json"
     summary: dict = {}
