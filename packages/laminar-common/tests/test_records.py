@@ -56,6 +56,18 @@ def test_a_verl_parquet_loads_with_derived_ids_and_nested_metadata(tmp_path):
     assert prompt_text(rec.prompt) == "What is 2 + 2? Think step by step."
 
 
+def test_a_verl_file_answers_from_its_ground_truth_without_an_answer_key(tmp_path):
+    """The default answer_key ("answer") on a verl file, which has no answer column: the
+    answer comes from reward_model.ground_truth, not silently from nowhere."""
+    records = load_records(_jsonl(tmp_path, _verl_rows()), DataConfig())
+    assert [r.metadata["answer"] for r in records] == ["0", "2", "4"]
+    # a file's own answer column wins; answer_key null takes none
+    rows = [dict(_verl_rows()[1], answer="two")]
+    assert load_records(_jsonl(tmp_path, rows, "b.jsonl"))[0].metadata["answer"] == "two"
+    none = load_records(_jsonl(tmp_path, _verl_rows(), "c.jsonl"), DataConfig(answer_key=None))
+    assert all("answer" not in r.metadata for r in none)
+
+
 def test_gsm8k_jsonl_with_question_and_answer(tmp_path):
     path = _jsonl(tmp_path, [{"question": "Natalia sold 48 clips ...", "answer": "... #### 72"},
                              {"question": "Weng earns $12 ...", "answer": "... #### 10"}],
@@ -219,7 +231,10 @@ def test_answer_keys_missing_answers_and_typos(tmp_path, caplog):
     with pytest.raises(ConfigError, match=r"d.jsonl: no record has answer_key "
                                           r"'reward_model.groundtruth' \(a typo\?\)"):
         load_records(path, DataConfig(answer_key="reward_model.groundtruth"))
-    # The default key may be absent everywhere (a reward that needs no answer) ...
+    # The default key falls back to verl's ground truth where a record has it ...
+    assert [r.metadata.get("answer") for r in load_records(path)] == ["1", None]
+    # ... and may be absent everywhere (a reward that needs no answer) ...
+    path = _jsonl(tmp_path, [{"prompt": "x"}, {"prompt": "y"}], "e.jsonl")
     assert all("answer" not in r.metadata for r in load_records(path))
     # ... and answer_key null takes none, leaving an "answer" field as the file has it.
     path = _jsonl(tmp_path, [{"prompt": "x", "answer": {"n": 1}}])

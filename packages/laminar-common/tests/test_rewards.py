@@ -160,3 +160,49 @@ def test_score_turns_failures_into_errors():
     assert reward == 0.0 and "ValueError" in err
     reward, err = score(synthetic_reward, "p", "1", {"task": "nope", "answer": "1"})
     assert reward == 0.0 and "unknown task" in err
+
+
+@pytest.fixture
+def styles(monkeypatch):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    yield
+    sys.modules.pop("reward_styles", None)
+
+
+def test_trl_batched_rewards_are_called_one_sample_at_a_time(styles):
+    fn = load_reward_fn("reward_styles:reward_len")
+    assert fn.style == "trl"
+    assert fn("sort 321=", "x" * 15, {"answer": "123"}) == -5.0
+    fmt = load_reward_fn("reward_styles:format_reward")
+    chat = [{"role": "user", "content": "2+2?"}]
+    assert fmt(chat, "<think>4</think><answer>4</answer>", {}) == 1.0
+    assert fmt(chat, "4", {}) == 0.0
+    acc = load_reward_fn("reward_styles:accuracy_reward")
+    assert acc("q", " 72 ", {"solution": "72", "answer": "72"}) == 1.0
+    assert score(acc, "q", "71", {"solution": "72"}) == (0.0, None)
+    # A column the function names and the record lacks: an error on that record, counted.
+    value, error = score(acc, "q", "72", {"answer": "72"})
+    assert value == 0.0 and "solution" in error
+    value, error = score(load_reward_fn("reward_styles:trl_none"), "q", "72", {})
+    assert value == 0.0 and "[None]" in error
+
+
+def test_verl_compute_score_gets_the_ground_truth_as_the_file_holds_it(styles):
+    fn = load_reward_fn("reward_styles:compute_score")
+    assert fn.style == "verl"
+    verl_row = {"data_source": "openai/gsm8k", "reward_model": {"ground_truth": "72",
+                                                               "style": "rule"},
+                "extra_info": {"split": "train"}}
+    assert fn("q", "so 48+24=72\n#### 72", verl_row) == 1.0
+    assert fn("q", "#### 71", verl_row) == 0.0
+    assert fn("q", "#### 5", {"answer": "5"}) == 1.0  # no reward_model: the answer key's
+    value, error = score(fn, "q", "#### 5", {})
+    assert value == 0.0 and "no reward_model.ground_truth" in error
+    d = load_reward_fn("reward_styles:compute_score_dict")
+    assert d("q", "72", verl_row) == 1.0 and d("q", "7", verl_row) == 0.0
+
+
+def test_a_reward_that_fits_no_known_signature_is_refused_at_load(styles):
+    with pytest.raises(ConfigError, match=r"reward 'reward_styles:two_args': cannot be called "
+                                          r"as any reward Laminar knows .*TRL's.*verl's"):
+        load_reward_fn("reward_styles:two_args")

@@ -38,7 +38,18 @@ def test_a_reward_that_cannot_take_laminars_arguments_is_refused(tmp_path, capsy
     (tmp_path / "mypkg_rewards_bad.py").write_text("def score(completion):\n    return 1.0\n")
     assert main(_serve("reward=mypkg_rewards_bad:score")) == 2
     err = capsys.readouterr().err
-    assert "cannot be called as fn(prompt, completion, metadata) -> float" in err
+    assert "cannot be called as any reward Laminar knows" in err
+    assert "fn(prompt, completion, metadata) -> float (Laminar's)" in err
+    assert "fn(prompts, completions, **kwargs) -> list[float] (TRL's)" in err
+
+
+def test_trl_and_verl_style_rewards_pass_as_they_are(tmp_path, capsys):
+    (tmp_path / "mypkg_rewards.py").write_text(
+        "def trl(completions, **kwargs):\n    return [1.0 for _ in completions]\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str == ground_truth)\n")
+    assert main(_serve("reward=mypkg_rewards:trl")) == 0
+    assert main(_serve("reward=mypkg_rewards:compute_score")) == 0
 
 
 def test_a_good_reward_passes(tmp_path, capsys):

@@ -47,6 +47,8 @@ RESERVED_IN_IDS = ("#", "@e")
 """What a record id must not contain: the rollout's trajectory-id (``#``) and epoch
 (``@e``) separators."""
 DEFAULT_ANSWER_KEY = "answer"
+VERL_ANSWER_KEY = "reward_model.ground_truth"
+"""Where a verl dataset keeps the answer: read when the default ``answer`` is absent."""
 
 _DOT_PATH = re.compile(r"[^.]+(\.[^.]+)*")
 
@@ -62,7 +64,9 @@ class DataConfig(LaminarModel):
     """Dot path of the answer, e.g. ``reward_model.ground_truth`` (verl); its value,
     as a string, becomes ``metadata["answer"]`` for the reward. A record without one
     is fine (some rewards need none), but a path other than ``answer`` that no record
-    of the file has is an error (a typo). None: take no answer."""
+    of the file has is an error (a typo). With the default ``answer``, a record that has
+    none there but has verl's ``reward_model.ground_truth`` answers from that (a verl
+    parquet as it is). None: take no answer."""
     id_key: str | None = None
     """Dot path of the record id (a string or an integer). None: the record's ``id``
     field when the file's records have one, else ``<file stem>:<line>`` (JSONL,
@@ -249,6 +253,8 @@ def _record(obj: dict[str, Any], where: str, derived_id: str,
     has_answer = False
     if config.answer_key is not None:
         answer = _get(obj, config.answer_key)
+        if (answer is _MISSING or answer is None) and config.answer_key == DEFAULT_ANSWER_KEY:
+            answer = _get(obj, VERL_ANSWER_KEY)
         if answer is not _MISSING and answer is not None:
             _check_json(answer, where, config.answer_key)
             metadata["answer"] = answer if isinstance(answer, str) else \

@@ -12,6 +12,23 @@ The contract. A reward function is called as::
   string when the dataset has one (the dataset reader fills it from e.g.
   ``reward_model.ground_truth``).
 
+Other frameworks' reward signatures are accepted as they are (detected by
+:func:`load_reward_fn` from the function's parameters, and adapted):
+
+- TRL's batched ``fn(completions, **kwargs) -> list[float]`` (also with ``prompts``
+  and dataset columns by name, e.g. ``fn(prompts, completions, solution, **kwargs)``):
+  called with one sample, ``prompts=[prompt]``, ``completions=[completion]`` (for a
+  chat prompt, ``[[{"role": "assistant", "content": completion}]]`` as TRL passes) and
+  every metadata field as a one-item list; it must return one number (``None``, TRL's
+  "not applicable", is an error here).
+- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
+  (or any function with ``solution_str`` and ``ground_truth``): ``ground_truth`` is the
+  record's ``reward_model.ground_truth`` as the file holds it, else
+  ``metadata["answer"]``; a dict result gives its ``"score"``.
+
+A function that fits none of these is refused when it is loaded, with the expected
+signatures in the message.
+
 It returns a finite float. It may raise: :func:`score` turns an exception or a
 non-finite value into ``(0.0, error text)``, so a failing reward never loses a
 trajectory (the worker sends it marked with ``reward_error`` and counts it).
@@ -52,7 +69,10 @@ from laminar_common.errors import ConfigError
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "CONTRACTS",
     "Prompt",
+    "adapt_reward_fn",
+    "reward_style",
     "RewardFn",
     "exact_reward",
     "gsm8k_reward",
@@ -110,7 +130,121 @@ def load_reward_fn(spec: str) -> RewardFn:
             _math_verify()
         except ConfigError as exc:
             raise ConfigError(f"reward {spec!r}: {exc}") from exc
+    return adapt_reward_fn(fn, spec)
+
+
+CONTRACTS = ("fn(prompt, completion, metadata) -> float (Laminar's)",
+             "fn(prompts, completions, **kwargs) -> list[float] (TRL's)",
+             "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> "
+             "float | dict (verl's)")
+"""The reward signatures :func:`load_reward_fn` accepts, as its errors list them."""
+
+
+def reward_style(fn: Callable[..., Any]) -> str:
+    """``laminar``, ``trl`` or ``verl``: how ``fn`` wants to be called (see the module
+    docstring). A callable without a readable signature (a builtin) counts as Laminar's.
+
+    Raises:
+        ValueError: ``fn`` fits none of them (the message says why).
+    """
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return "laminar"
+    params = sig.parameters
+    if "solution_str" in params and "ground_truth" in params:
+        return "verl"
+    if "completions" in params:
+        return "trl"
+    try:
+        sig.bind("prompt", "completion", {})
+    except TypeError as exc:
+        raise ValueError(str(exc)) from exc
+    return "laminar"
+
+
+def adapt_reward_fn(fn: Callable[..., Any], spec: str = "") -> RewardFn:
+    """``fn`` as a Laminar reward (``fn(prompt, completion, metadata) -> float``), whatever
+    of the accepted signatures it has (see the module docstring).
+
+    Raises:
+        ConfigError: ``fn`` fits none of them; the message lists the ones accepted.
+    """
+    try:
+        style = reward_style(fn)
+    except ValueError as exc:
+        raise ConfigError(f"reward {spec!r}: cannot be called as any reward Laminar knows "
+                          f"({exc}); expected one of: {'; '.join(CONTRACTS)}") from exc
+    if style == "trl":
+        return _TrlReward(fn, spec)
+    if style == "verl":
+        return _VerlReward(fn, spec)
     return fn
+
+
+def _accepted(fn: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``offered`` that ``fn`` takes (all of them with **kwargs)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return offered
+    return {k: v for k, v in offered.items() if k in params}
+
+
+class _TrlReward:
+    """TRL's batched reward called one sample at a time (see the module docstring)."""
+
+    style = "trl"
+
+    def __init__(self, fn: Callable[..., Any], spec: str) -> None:
+        self.fn, self.spec = fn, spec
+        self.__name__ = getattr(fn, "__name__", "reward")
+
+    def __call__(self, prompt: Prompt, completion: str, metadata: Mapping[str, Any]) -> float:
+        chat = not isinstance(prompt, str)
+        offered = {key: [value] for key, value in metadata.items()}
+        offered["prompts"] = [list(prompt) if chat else prompt]
+        offered["completions"] = [[{"role": "assistant", "content": completion}] if chat
+                                  else completion]
+        out = self.fn(**_accepted(self.fn, offered))
+        if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != 1:
+            raise TypeError(f"TRL-style reward {self.spec or self.__name__} returned {out!r} "
+                            "for one completion: expected a list of one number")
+        if out[0] is None:
+            raise TypeError(f"TRL-style reward {self.spec or self.__name__} returned [None] "
+                            "(not applicable): Laminar needs a score for every sample")
+        return float(out[0])
+
+
+class _VerlReward:
+    """verl's ``compute_score`` (see the module docstring)."""
+
+    style = "verl"
+
+    def __init__(self, fn: Callable[..., Any], spec: str) -> None:
+        self.fn, self.spec = fn, spec
+        self.__name__ = getattr(fn, "__name__", "compute_score")
+
+    def __call__(self, prompt: Prompt, completion: str, metadata: Mapping[str, Any]) -> float:
+        model = metadata.get("reward_model")
+        truth = model.get("ground_truth") if isinstance(model, Mapping) else None
+        if truth is None:
+            truth = metadata.get("answer")
+        if truth is None:
+            raise ValueError("verl-style reward: the record has no reward_model.ground_truth "
+                             "and no answer (data.answer_key)")
+        offered = {"data_source": metadata.get("data_source", ""), "solution_str": completion,
+                   "ground_truth": truth, "extra_info": metadata.get("extra_info")}
+        out = self.fn(**_accepted(self.fn, offered))
+        if isinstance(out, Mapping):
+            if "score" not in out:
+                raise TypeError(f"verl-style reward {self.spec or self.__name__} returned a "
+                                f"dict without 'score' (keys {sorted(out)[:8]})")
+            out = out["score"]
+        return float(out)
 
 
 def score(
