@@ -173,6 +173,11 @@ def test_laminar_up_serves_embedded_etcd_over_mutual_tls_from_auth_dir(tmp_path)
         assert re.search(r"^  worker\s+worker-1\s.* ready=yes metrics=-$", status.stdout, re.M), \
             status.stdout
         assert re.search(r"^trainer: step \d+/60 ", status.stdout, re.M), status.stdout
+        # The same from the run dir alone: launch.json names its etcd, job and TLS files.
+        by_dir = _laminar("status", str(tmp_path / "run"))
+        assert by_dir.returncode == 0, by_dir.stderr
+        assert "job simtls: latest weight version" in by_dir.stdout
+        assert re.search(r"^trainer: step \d+/60 ", by_dir.stdout, re.M), by_dir.stdout
         # etcd was up all along: the refusal above was TLS, not a stopped server.
         assert "trainer" in client.members()
         assert not any("trainer exited" in line for line in up.lines)

@@ -277,10 +277,13 @@ def _metrics_url(advertised: str | None, member_host: str) -> str:
     return f"{scheme}://{host}:{port}/{path}"
 
 
-@cli.command(help="Show a job's members (with their /metrics URLs) and latest weight version.")
-@_option("--etcd", default="127.0.0.1:2379",
-              help="etcd endpoint host:port, or https://host:port (etcd.endpoints)")
-@_option("--job", required=True, help="job name")
+@cli.command(help="Show a job's members (with their /metrics URLs) and latest weight version: "
+                  "RUN_DIR (a `laminar up` run dir: its etcd and job), or --etcd and --job.")
+@click.argument("run_dir", required=False, type=click.Path())
+@_option("--etcd", default=None,
+              help="etcd endpoint host:port, or https://host:port (etcd.endpoints); "
+                   "default: RUN_DIR's, else 127.0.0.1:2379")
+@_option("--job", default=None, help="job name (default: RUN_DIR's)")
 @_option("--auth-dir", metavar="DIR", type=click.Path(),
               help="take the etcd TLS files from DIR as a tier's auth.dir does "
                    "(etcd-ca.pem, etcd-client.pem, etcd-client-key.pem); a DIR without "
@@ -291,8 +294,8 @@ def _metrics_url(advertised: str | None, member_host: str) -> str:
               help="client certificate for mutual TLS (etcd.client_cert)")
 @_option("--etcd-key", metavar="PEM", type=click.Path(),
               help="key of --etcd-cert (etcd.client_key)")
-def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
-           etcd_cert: str | None, etcd_key: str | None) -> int:
+def status(run_dir: str | None, etcd: str | None, job: str | None, auth_dir: str | None,
+           etcd_ca: str | None, etcd_cert: str | None, etcd_key: str | None) -> int:
     import json
 
     from laminar_common.auth import etcd_tls_for
@@ -301,6 +304,25 @@ def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
     from laminar_common.roles import Extra, State, is_ready
 
     setup_logging("WARNING")
+    if run_dir is not None:
+        from pathlib import Path
+
+        from laminar_common.launch.rundir import STAMP_NAME
+
+        stamp_path = Path(run_dir) / STAMP_NAME
+        try:
+            stamp = json.loads(stamp_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise click.UsageError(f"{stamp_path}: not a laminar up run dir ({exc})") from exc
+        if not stamp.get("etcd"):
+            raise click.UsageError(f"{stamp_path}: this launch has not started its etcd "
+                                   "(or predates `laminar status RUN_DIR`): give --etcd")
+        etcd = etcd or stamp["etcd"][0]
+        job = job or stamp["job"]
+        auth_dir = auth_dir or stamp.get("etcd_tls_dir")
+    if job is None:
+        raise click.UsageError("give RUN_DIR or --job")
+    etcd = etcd or "127.0.0.1:2379"
     tls = {"ca_cert": etcd_ca, "client_cert": etcd_cert, "client_key": etcd_key}
     tls.update(etcd_tls_for(auth_dir, tls))  # the tiers' rule
     coord = EtcdCoordinator([etcd], job, connect_timeout_s=5, **tls)
@@ -316,15 +338,22 @@ def status(etcd: str, job: str, auth_dir: str | None, etcd_ca: str | None,
         trainer = coord.get_state(State.TRAINER)
         if trainer:
             t = json.loads(trainer)
-            print(f"trainer: step {t['step']}/{t['total_steps']} v{t['version']} "
-                  f"reward {t['reward_mean']:.3f} tokens/s {t['tokens_per_s']:.1f} "
-                  f"staleness mean {t['staleness_mean']:.2f} max {t['staleness_max']} "
-                  f"buffer {t['buffer']}")
+            if "waiting_for" in t:
+                print(f"trainer: step {t['step']}/{t['total_steps']} v{t['version']}, "
+                      f"WAITING {t['waiting_s']}s for data: {t['waiting_for']}")
+            else:
+                print(f"trainer: step {t['step']}/{t['total_steps']} v{t['version']} "
+                      f"reward {t['reward_mean']:.3f} tokens/s {t['tokens_per_s']:.1f} "
+                      f"staleness mean {t['staleness_mean']:.2f} max {t['staleness_max']} "
+                      f"buffer {t['buffer']}")
         manager = coord.get_state(State.MANAGER)
         if manager:
             m = json.loads(manager)
             print(f"manager: ledger {m['ledger']}, repacks {m['repacks']}, "
-                  f"workers lost {m['workers_lost']}")
+                  f"workers lost {m['workers_lost']}"
+                  + (", PROMPTS EXHAUSTED" if m.get("prompts_exhausted") else "")
+                  + (", holding new work for the resumed weights"
+                     if m.get("holding_for_resume") else ""))
             for wid, w in sorted(m["workers"].items()):
                 print(f"  {wid:<20} v{w['version']:<4} active {w['active']}/{w['capacity']} "
                       f"assigned {w['assigned']} kv {w['kv_used']}")

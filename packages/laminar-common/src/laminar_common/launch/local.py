@@ -142,6 +142,9 @@ class LocalLauncher:
             self._say(f"etcd at {self.etcd.endpoint}{how}")
         if not self.endpoints:
             raise ConfigError("etcd: set embedded: true or give endpoints")
+        tls_dir = self.embedded_etcd_tls()[0] if self.etcd is not None else None
+        self.launch.record(etcd=list(self.endpoints),
+                           etcd_tls_dir=None if tls_dir is None else str(tls_dir))
 
     def etcd_host(self) -> str:
         """The address an embedded etcd listens on (``etcd.host``; 127.0.0.1 by default)."""

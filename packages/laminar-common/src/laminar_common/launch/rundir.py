@@ -82,6 +82,16 @@ class RunDir:
         if embedded_etcd and (self.path / "etcd").exists():
             shutil.rmtree(self.path / "etcd")
 
+    def record(self, **fields: object) -> None:
+        """Add ``fields`` to this launch's stamp (e.g. the etcd endpoints, once known, which
+        ``laminar status RUN_DIR`` reads)."""
+        path = self.path / STAMP_NAME
+        stamp = json.loads(path.read_text())
+        stamp.update(fields)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(stamp, indent=2) + "\n")
+        os.replace(tmp, path)
+
     def release(self) -> None:
         """Give the lock back (idempotent)."""
         fd, self._fd = self._fd, None
