@@ -208,8 +208,10 @@ def test_each_tier_s_cpu_time_is_reported_and_written(tmp_path, capsys):
 def test_tiers_get_passive_openmp_waits_unless_the_environment_says_otherwise():
     from laminar_common.launch.processes import tier_env
 
-    assert tier_env({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert tier_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert tier_env({}) == {"OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                            "TQDM_DISABLE": "1"}
+    assert tier_env({"OMP_WAIT_POLICY": "ACTIVE", "TQDM_DISABLE": "0"}) == \
+        {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def _stateful_job(tmp_path: Path) -> Path:

@@ -25,7 +25,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from laminar_common.data.chat import prompt_token_ids, render_chat
 from laminar_common.launch.math_tasks import MathProblem, make_math_problems, math_messages
 from laminar_common.launch.tasks import score_exact_answer
+from laminar_common.progress import ProgressLines
 
 from .chat_model import (
     CHAT_MODEL_SIZES,
@@ -122,6 +123,7 @@ def train_chat_supervised(
     batch_size: int = DEFAULT_CHAT_BATCH,
     lr: float = DEFAULT_CHAT_LR,
     warmup_steps: int = 20,
+    progress: Callable[..., object] | None = None,
 ) -> list[float]:
     """Teacher-force ``prompt_token_ids(messages) + answer + <eos>``; loss on answer and eos.
 
@@ -157,6 +159,8 @@ def train_chat_supervised(
             [p for p, _ in chunk], [a for _, a in chunk], pad_id=int(tokenizer.pad_token_id))
         losses.append(supervised_update(model, optimizer, scheduler, input_ids, attention_mask,
                                         target_mask))
+        if progress is not None:
+            progress(step + 1, loss=losses[-1])
     return losses
 
 
@@ -269,7 +273,8 @@ def warm_start_chat(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         losses = train_chat_supervised(model, tokenizer, examples, steps,
-                                       batch_size=batch_size, lr=lr)
+                                       batch_size=batch_size, lr=lr,
+                                       progress=ProgressLines("warm start", steps).update)
     model.eval()
     accuracy, _ = math_accuracy(model, tokenizer, eval_problems, seed=seed)
     out = save_chat_model(out_dir, model, tokenizer)

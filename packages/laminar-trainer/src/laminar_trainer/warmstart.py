@@ -31,6 +31,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from laminar_common.launch.tasks import make_task_records, plausible_mistake
+from laminar_common.progress import ProgressLines
 
 from .decoding import evaluate_accuracy
 from .demo_model import DEFAULT_MODEL_SIZES, EOS_ID, build_tiny_model, build_tokenizer
@@ -77,8 +78,12 @@ def train_supervised(
     warmup_steps: int = 20,
     should_stop: Callable[[int], bool] | None = None,
     check_every: int = DEFAULT_CHECK_EVERY,
+    progress: Callable[..., object] | None = None,
 ) -> list[float]:
     """Teacher-force ``prompt + answer + <eos>``; the loss covers answer and ``<eos>`` only.
+
+    ``progress(done, loss=...)``, if given, is called after every step (e.g.
+    :meth:`laminar_common.progress.ProgressLines.update`).
 
     ``should_stop(step)``, if given, is called after every ``check_every``-th
     step (``step`` counts completed steps) and ends training when it returns
@@ -118,6 +123,8 @@ def train_supervised(
         losses.append(supervised_update(model, optimizer, scheduler, input_ids, attention_mask,
                                         target_mask))
         done = step + 1
+        if progress is not None:
+            progress(done, loss=losses[-1])
         if should_stop is not None and done % check_every == 0:
             stop = should_stop(done)
             model.train()
@@ -252,6 +259,7 @@ def warm_start(
             lr=lr,
             should_stop=reached_target if target_accuracy is not None else None,
             check_every=check_every,
+            progress=ProgressLines("warm start", steps).update,
         )
     steps_done = len(losses)
     dev_accuracy = dev_history[-1][1] if dev_history else None

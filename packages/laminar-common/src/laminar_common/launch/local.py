@@ -80,7 +80,10 @@ from laminar_common.launch.processes import ChildProcess, tier_env
 from laminar_common.launch.readiness import wait_ready
 from laminar_common.launch.rundir import RunDir
 
-__all__ = ["LocalLauncher", "TAIL_LINES"]
+__all__ = ["LocalLauncher", "TAIL_LINES", "SETUP_ECHO_LINES"]
+
+SETUP_ECHO_LINES = 60
+"""Lines of a set-up step's output ``laminar up`` shows as they come (the rest: its log)."""
 
 log = logging.getLogger(__name__)
 
@@ -232,14 +235,27 @@ class LocalLauncher:
             self._say("setup: " + shlex.join(argv))
             t0 = time.monotonic()
             child = ChildProcess(f"setup-{i}", _resolve(argv), str(logs / f"setup-{i}.log"),
-                                 append=False)
+                                 append=False, env=tier_env(os.environ))
             self.children.append(child)
+            # Its output as it comes (a warm start's progress lines), at most
+            # SETUP_ECHO_LINES of it; the whole of it is in the step's log.
+            shown = 0
+
+            def echo() -> None:
+                nonlocal shown
+                for line in child.lines[shown:]:
+                    if shown < SETUP_ECHO_LINES:
+                        self._say(f"  {line[:200]}")
+                    shown += 1
+
             while child.alive():
                 if self._stop.wait(0.2):
                     raise LaminarError("interrupted during set-up")
+                echo()
             code = child.stop()
-            for line in child.lines[-3:]:
-                self._say(f"  {line[:200]}")
+            echo()
+            if shown > SETUP_ECHO_LINES:
+                self._say(f"  ({shown - SETUP_ECHO_LINES} more lines in {child.log_path})")
             if code != 0:
                 raise LaminarError(f"setup command failed ({code}): {shlex.join(argv)}; "
                                    f"see {child.log_path}")
