@@ -141,6 +141,84 @@ def test_trainer_sigkill_then_resume_trains_nothing_twice(etcd, spawn, tmp_path,
     assert set(state["ledger"]["states"]["acked"]) == set(consumed)
 
 
+def test_the_whole_job_resumed_on_a_fresh_etcd_trains_nothing_staler_than_the_bound(
+        etcd, spawn, tmp_path, warm):
+    """Every tier is SIGKILLed mid-run and the job comes back as ``laminar up --resume``
+    brings it: a fresh etcd (no weights/latest), a fresh relay, a fresh worker on the
+    warm-start weights (v0), the manager and the trainer with --resume. Before the fix the
+    worker generated with v0 until the resumed version reached it and the trainer trained
+    those trajectories at staleness = the resumed version. Now the manager holds new work
+    until the resumed weights are published, and no step after the resume trains anything
+    staler than the trainer's bound (buffer.max_staleness, 4)."""
+    from laminar_common.launch.local_etcd import LocalEtcd
+
+    job = "rl-whole-resume"
+    run_dir, ckpt, state_dir = tmp_path / "trainer", tmp_path / "ckpt", tmp_path / "manager"
+    total_steps, every, bound = 30, 3, 4
+    manager, worker = _rollout_tiers(etcd, spawn, job, warm, state_dir)
+
+    def trainer_args(server):
+        return ("run", *_common(server, job), "--set", "trainer_id=trainer",
+                "--set", f"model_dir={warm / 'model'}", "--set", "batch_groups=4",
+                "--set", f"total_steps={total_steps}", "--set", f"run_dir={run_dir}",
+                "--set", f"checkpoint.dir={ckpt}", "--set", f"checkpoint.every_steps={every}",
+                "--set", f"buffer.max_staleness={bound}")
+
+    trainer = spawn("trainer", "laminar_trainer.cli", *trainer_args(etcd))
+    wait_ready(etcd, job, trainer, "trainer", timeout_s=120)
+    state = state_dir / "manager_state.json"
+
+    def seen() -> int:  # the newest version in the manager's saved state (every 2 s)
+        try:
+            return json.loads(state.read_text())["summary"]["latest_version"]
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    assert wait_until(lambda: seen() >= 8, 300), "the manager's state never saw v8"
+    assert len(read_steps(run_dir)) < total_steps, "the run ended before the kill"
+    children = [c for c in (trainer, worker, manager) if c.alive()]
+    for child in children:
+        child.kill()
+    etcd.close()  # and the job's etcd goes with it: the next one starts empty
+
+    fresh = LocalEtcd().start()
+    try:
+        spawn("relay-2", "laminar_relay.cli", "serve", *_common(fresh, job),
+              "--set", "member_id=relay-0", "--set", "bind_host=127.0.0.1",
+              "--set", "advertise_host=127.0.0.1")
+        manager2 = spawn("manager-2", "laminar_rollout.cli", "manage", *_common(fresh, job),
+                         "--set", f"prompts={warm / 'train.jsonl'}", "--set", "group_size=4",
+                         "--set", "batch_groups=4", "--set", "max_staleness=1",
+                         "--set", "sampling.max_tokens=10", "--set", f"state_dir={state_dir}",
+                         "--resume")
+        wait_ready(fresh, job, manager2, "manager")
+        spawn("worker-2", "laminar_rollout.cli", "serve", *_common(fresh, job),
+              "--set", "worker_id=worker-0", "--set", "engine.type=torch",
+              "--set", f"engine.model_dir={warm / 'model'}", "--set", "engine.max_batch=16",
+              "--set", "reward=laminar_rollout.rewards:synthetic_task")
+        trainer2 = spawn("trainer-2", "laminar_trainer.cli", *trainer_args(fresh), "--resume")
+        resumed = int(wait_ready(fresh, job, trainer2, "trainer", timeout_s=120).extra["step"])
+        assert resumed >= 6 and resumed % every == 0
+        trainer2.wait_for_line(r"TRAINER DONE", 600)
+        assert trainer2.proc.wait(60) == 0
+    finally:
+        fresh.close()
+
+    rows = read_steps(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, total_steps + 1))
+    after = [r for r in rows if r["step"] > resumed]
+    assert max(r["staleness_max"] for r in after) <= bound, \
+        [(r["step"], r["staleness_max"]) for r in after]
+    manager_log = Path(manager2.log_path).read_text()
+    assert "resumed: no new work until the trainer publishes its resumed weights" in manager_log
+    assert "resumed: new work goes out at v" in manager_log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # The manager held the work: nothing old even reached the trainer to be refused.
+    assert summary["refused_stale_after_resume"] == 0, summary
+    consumed = consumed_ids(run_dir)
+    assert len(consumed) == len(set(consumed)) == total_steps * 4 * 4
+
+
 def test_two_rank_fsdp_trainer_in_the_stack_publishes_what_it_trains(etcd, spawn, tmp_path,
                                                                       warm):
     """The trainer under torchrun (2 gloo ranks, FSDP2) in the real stack: the weights

@@ -142,3 +142,39 @@ def test_every_tier_defaults_to_one_job_name():
                 for model in (RelayConfig, WorkerConfig, ManagerConfig, TrainerConfig,
                               MemberConfig)}
     assert set(defaults.values()) == {"laminar"}, defaults
+
+
+def test_prompts_that_run_out_are_refused_before_any_tier_starts(tmp_path):
+    """A verl user's 600 prompts filled 18 of 30 steps and the job stalled silently; now
+    `laminar up` refuses it after the set-up wrote the prompts, naming the numbers."""
+    job = _job(tmp_path, "runsout")
+    job["setup"][0][job["setup"][0].index("2000")] = "10"  # 10 prompts; 5 steps x 4 groups
+    job["tiers"]["trainer"]["config"]["total_steps"] = 5
+    t0 = time.monotonic()
+    out = _up(tmp_path, job, timeout_s=120)
+    took = time.monotonic() - t0
+    assert out.returncode != 0, out.stdout[-2000:]
+    text = out.stdout + out.stderr
+    assert "the prompts run out at step 2 of 5" in text, text[-2000:]
+    assert "total_steps 5 x batch_groups 4 = 20 groups" in text
+    assert "tiers.manager.config.epochs to 2 or more" in text
+    assert "started " not in out.stdout and took < 90, (took, out.stdout[-1500:])
+
+
+def test_a_job_whose_every_reward_fails_stops_at_its_first_step_with_the_cause(tmp_path):
+    """A reward that needs an answer on a file that keeps it under another name (here
+    ``solution``; the default answer_key is ``answer``) ran a whole job to exit 0 with
+    reward 0; now the trainer stops at step 1 naming the error."""
+    job = _job(tmp_path, "noanswers")
+    job["setup"] = [["python", "-c", "import json, sys; open(sys.argv[1], 'w').write(''.join("
+                     "json.dumps({'prompt': f'sort {i}{i+1}=', 'solution': f'{i}{i+1}'}) + "
+                     "'\\n' for i in range(100)))", "{run_dir}/train.jsonl"]]
+    job["tiers"]["worker"]["config"]["reward"] = "exact"
+    out = _up(tmp_path, job, timeout_s=240)
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert "trainer failed" in out.stdout, out.stdout[-3000:]
+    assert re.search(r"step 1: every reward of the step failed \(16 of 16\), e\.g\. \S+ "
+                     r"from worker-\d: ValueError: the 'exact' reward needs the ground truth",
+                     out.stdout), out.stdout[-3000:]
+    assert "STEP 1 " not in out.stdout
+    assert _processes_naming(str(tmp_path / "run")) == []
