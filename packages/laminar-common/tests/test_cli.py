@@ -53,14 +53,16 @@ def test_the_commands_and_their_options_are_those_of_before():
     assert sorted(cli.commands) == ["demo", "etcd", "keys", "member", "prompts", "report",
                                     "status", "up"]
     opts = {name: {o for p in cmd.params for o in p.opts} for name, cmd in cli.commands.items()}
-    assert opts["up"] == {"job", "--set", "--backend", "--address", "--ray-address", "--num-cpus"}
+    assert opts["up"] == {"job", "--set", "--backend", "--address", "--ray-address", "--num-cpus",
+                          "--resume", "--fresh"}
     assert opts["status"] >= {"--etcd", "--job", "--auth-dir", "--etcd-ca", "--etcd-cert",
                               "--etcd-key"}
     assert opts["prompts"] >= {"--task", "--n", "--split", "--seed", "--out", "--difficulty"}
     assert opts["keys"] >= {"--out", "--etcd", "--etcd-host"}
     assert _option_envvars("status")["--job"] == "LAMINAR_STATUS_JOB"
     defaults = {p.name: p.default for p in cli.commands["status"].params}
-    assert defaults["etcd"] == "127.0.0.1:2379"
+    # None: RUN_DIR's etcd, else 127.0.0.1:2379 (tested with a run dir in test_launcher)
+    assert defaults["etcd"] is None
     defaults = {p.name: p.default for p in cli.commands["demo"].params}
     assert defaults["members"] == 3 and defaults["ttl"] == 3
 
@@ -132,7 +134,11 @@ def test_up_refuses_a_bad_job_file_override_before_starting_anything(capsys):
 
 def test_usage_errors_exit_2(capsys):
     assert main(["status"]) == 2
-    assert "Missing option '--job'" in capsys.readouterr().err
+    assert "give RUN_DIR or --job" in capsys.readouterr().err
+    assert main(["status", "no/such/run"]) == 2
+    assert "launch.json: not a laminar up run dir" in capsys.readouterr().err
+    assert main(["up", "x.yaml", "--resume", "--fresh"]) == 2
+    assert "--resume and --fresh exclude each other" in capsys.readouterr().err
     assert main(["prompts", "--out", "x.jsonl", "--split", "test"]) == 2
     assert main(["demo", "--members", "three"]) == 2
     assert main(["no-such-command"]) == 2
