@@ -94,3 +94,17 @@ def test_dump_masks_secrets():
     cfg = load_config(TierConfig, overrides=["etcd.password=hunter2", "etcd.user=u"], env={})
     text = dump_config(cfg)
     assert "hunter2" not in text and "***" in text
+
+
+def test_a_misspelt_env_variable_is_warned_with_a_did_you_mean(capsys):
+    env = {"LAMINAR_ENGIN__BATCH": "3", "LAMINAR_JOBB": "x",
+           # another tier's field and a CLI option variable: silent, one env serves all
+           "LAMINAR_TOTAL_STEPS": "9", "LAMINAR_ROLLOUT_MANAGE_RESUME": "1"}
+    cfg = load_config(TierConfig, env=env)
+    assert cfg.engine.batch == 8 and cfg.job == "j"
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "laminar-preflight WARNING: LAMINAR_ENGIN__BATCH sets no TierConfig field and is "
+        "ignored: did you mean LAMINAR_ENGINE__BATCH?",
+        "laminar-preflight WARNING: LAMINAR_JOBB sets no TierConfig field and is ignored: "
+        "did you mean LAMINAR_JOB?"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -320,6 +321,21 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+def _warn_near_miss(model: type[BaseModel], dotted: str, source: str, prefix: str) -> None:
+    """An env variable that sets no field of ``model`` but nearly names one (a typo such as
+    ``LAMINAR_TOTAL_STEP``) is said on stderr (with the preflight prefix, so ``laminar up``
+    shows it); other ``LAMINAR_*`` variables (another tier's fields, the CLIs' option
+    variables) are left alone, as one environment serves every tier."""
+    head = dotted.split(".")[0]
+    close = difflib.get_close_matches(head, list(model.model_fields), n=1, cutoff=0.8)
+    if not close:
+        return
+    name = source.removeprefix("env ")
+    fixed = prefix + dotted.replace(head, close[0], 1).replace(".", "__").upper()
+    print(f"{PREFLIGHT_WARNING_PREFIX}{name} sets no {model.__name__} field and is ignored: "
+          f"did you mean {fixed}?", file=sys.stderr, flush=True)
+
+
 def _env_overrides(env: Mapping[str, str], prefix: str) -> list[tuple[str, Any, str]]:
     out = []
     for name, raw in sorted(env.items()):
@@ -407,6 +423,8 @@ def load_config(
     for dotted, value, source in _env_overrides(os.environ if env is None else env, env_prefix):
         if dotted.split(".")[0] in model.model_fields:
             apply_override(data, dotted, value, source)
+        else:
+            _warn_near_miss(model, dotted, source, env_prefix)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected a.b=value")
