@@ -240,26 +240,27 @@ class LocalLauncher:
             # Its output as it comes (a warm start's progress lines), at most
             # SETUP_ECHO_LINES of it; the whole of it is in the step's log.
             shown = 0
-
-            def echo() -> None:
-                nonlocal shown
-                for line in child.lines[shown:]:
-                    if shown < SETUP_ECHO_LINES:
-                        self._say(f"  {line[:200]}")
-                    shown += 1
-
             while child.alive():
                 if self._stop.wait(0.2):
                     raise LaminarError("interrupted during set-up")
-                echo()
+                shown = self._echo_setup(child, shown)
             code = child.stop()
-            echo()
+            shown = self._echo_setup(child, shown)
             if shown > SETUP_ECHO_LINES:
                 self._say(f"  ({shown - SETUP_ECHO_LINES} more lines in {child.log_path})")
             if code != 0:
                 raise LaminarError(f"setup command failed ({code}): {shlex.join(argv)}; "
                                    f"see {child.log_path}")
             self._say(f"setup done in {time.monotonic() - t0:.1f}s")
+
+    def _echo_setup(self, child: ChildProcess, shown: int) -> int:
+        """Say ``child``'s lines after the first ``shown`` (up to SETUP_ECHO_LINES in all);
+        returns how many it has printed so far."""
+        for line in child.lines[shown:]:
+            if shown < SETUP_ECHO_LINES:
+                self._say(f"  {line[:200]}")
+            shown += 1
+        return shown
 
     def replica_count(self, spec: TierSpec) -> int:
         """How many replicas of ``spec`` to start (``-1``, one per node, is 1 here)."""
