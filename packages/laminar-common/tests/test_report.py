@@ -270,7 +270,15 @@ def test_the_training_figures_have_a_panel_each_in_one_grid(run):
     legend = panels["response length (tokens)"].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["mean", "max", "truncation rate"]
     twins = [ax for ax in fig.axes if not ax.get_title()]
-    assert [ax.get_ylabel() for ax in twins] == ["grad norm (before clipping)", "truncation rate"]
+    assert [ax.get_ylabel() for ax in twins] == ["grad norm (before clipping)",
+                                                 "truncation rate (fraction)"]
+    # Every panel says what its y axis counts, and no legend sits on the data (below it).
+    assert all(ax.get_ylabel() for ax in panels.values())
+    for ax in panels.values():
+        legend = ax.get_legend()
+        if legend is not None:
+            box = legend.get_window_extent()
+            assert box.y1 <= ax.get_window_extent().y0, ax.get_title()
     assert list(twins[1].get_lines()[0].get_ydata()) == [0.25] * 4
 
 
@@ -412,3 +420,32 @@ def test_since_leaves_out_an_earlier_launchs_files(run):
 def test_since_without_a_metrics_file_says_no_step_was_written(tmp_path):
     with pytest.raises(LaminarError, match="the trainer wrote no step in this launch"):
         load_metrics(tmp_path, since=T0)
+
+
+def test_the_plots_are_titled_with_the_job_and_the_timeline_has_the_trainer(run):
+    pytest.importorskip("matplotlib")
+    from laminar_common.launch.report import busy_in_window, run_title, trainer_timeline
+
+    run_dir, _ = run
+    (run_dir.parent / "launch.json").write_text(json.dumps({"job": "demo"}))
+    assert run_title(run_dir) == f"job demo · {run_dir.resolve()}"
+    rows, summary = load_metrics(run_dir)
+    fig = plot_report(rows, summary, run_title(run_dir))
+    assert fig._suptitle.get_text() == f"job demo · {run_dir.resolve()}"
+    trainer = trainer_timeline(rows)
+    assert trainer["worker_id"] == "trainer"
+    t0 = rows[0]["time"] - rows[0]["step_s"] - rows[0]["wait_s"]
+    t1 = rows[-1]["time"]
+    # busy exactly while it trained: the steps' step_s over the window
+    want = sum(r["step_s"] for r in rows) / (t1 - t0)
+    assert busy_in_window(trainer, t0, t1) == pytest.approx(want, rel=1e-6)
+    assert main(["report", str(run_dir)]) == 0
+    assert (run_dir / "timeline.png").stat().st_size > 0
+
+
+def test_many_staleness_bars_get_readable_ticks():
+    pytest.importorskip("matplotlib")
+    hist = {str(k): 1 for k in range(40)}
+    panels = _panels(plot_report([], {"staleness_hist": hist}))
+    ticks = panels["staleness at consume"].get_xticks()
+    assert 2 <= len(ticks) <= 12 and all(t == int(t) for t in ticks)

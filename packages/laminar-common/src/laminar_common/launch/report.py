@@ -194,9 +194,22 @@ def busy_in_window(stats: dict, t0: float, t1: float) -> float:
     return busy / (t1 - t0) if t1 > t0 else 0.0
 
 
+def trainer_timeline(rows: list[dict]) -> dict:
+    """The trainer as a timeline row (the shape of a worker's stats): from each step's
+    metrics row, waiting for data (idle) then training (busy), ending at its ``time``."""
+    events: list[tuple[float, str]] = []
+    for r in rows:
+        train_start = r["time"] - r["step_s"]
+        events += [(train_start - r["wait_s"], "idle"), (train_start, "busy"), (r["time"], "idle")]
+    t0 = events[0][0] if events else 0.0
+    return {"worker_id": "trainer", "started_at": t0,
+            "timeline": [(t - t0, state) for t, state in events]}
+
+
 def write_timeline(runs: list[tuple[str, list[dict], tuple[float, float]]], path: str | Path,
-                   note: str = "") -> Path | None:
-    """Per-worker busy (green) / idle (grey) / weight load (red) bars, one panel per run."""
+                   note: str = "", title: str = "") -> Path | None:
+    """Per-worker busy (green) / idle (grey) / weight load (red) bars, one panel per run
+    (the trainer's row, when given as a member, is busy training, idle waiting for data)."""
     try:
         import matplotlib
 
@@ -207,15 +220,18 @@ def write_timeline(runs: list[tuple[str, list[dict], tuple[float, float]]], path
     colors = {"busy": "tab:green", "idle": "lightgrey", "weights": "tab:red"}
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 0.5 + 0.45 * max(
         len(w) for _, w, _ in runs) * len(runs) + 0.8 * len(runs)), squeeze=False)
-    for ax, (title, workers, (t0, t1)) in zip(axes[:, 0], runs):
+    for ax, (panel, workers, (t0, t1)) in zip(axes[:, 0], runs):
         for row, w in enumerate(workers):
             for lo, hi, state in _intervals(w, t0, t1):
                 ax.broken_barh([(lo - t0, hi - lo)], (row - 0.4, 0.8),
                                color=colors.get(state, "white"))
         ax.set_yticks(range(len(workers)), [w["worker_id"] for w in workers])
-        ax.set_title(f"{title}: busy (green) / idle (grey) / weight load (red){note}")
+        ax.set_title(f"{panel}: busy (green) / idle (grey) / weight load (red){note}")
         ax.set_xlim(0, t1 - t0)
+        ax.invert_yaxis()  # the first member (the trainer) on top
     axes[-1, 0].set_xlabel("seconds since the first trainer step")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -242,8 +258,16 @@ def _no_data(ax: Axes) -> None:
             color="grey")
 
 
+def _legend_below(ax: Axes, lines=None, labels=None) -> None:
+    """The legend under the panel, never over its data."""
+    args = (lines, labels) if lines is not None else ()
+    ax.legend(*args, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2),
+              ncol=2, frameon=False)
+
+
 def _panel(ax: Axes, rows: list[dict], title: str, left: tuple[tuple[str, str], ...],
-           right: tuple[tuple[str, str], ...] = (), right_label: str = "") -> None:
+           right: tuple[tuple[str, str], ...] = (), right_label: str = "",
+           left_label: str = "") -> None:
     """One line per (key, label) the rows carry against step; ``right`` ones on a twin
     axis (another scale); "no data" when the rows carry none of them."""
     # A twin axis restarts the colour cycle: take colours from one sequence for both.
@@ -261,11 +285,12 @@ def _panel(ax: Axes, rows: list[dict], title: str, left: tuple[tuple[str, str], 
                 twin.set_ylabel(right_label)
             lines += twin.plot(steps, values, ".--", color=next(colors), label=label)
     ax.set_title(title)
+    ax.set_ylabel(left_label)
     _step_axis(ax)
     if not lines:
         _no_data(ax)
     elif len(lines) > 1:
-        ax.legend(lines, [line.get_label() for line in lines], fontsize="small")
+        _legend_below(ax, lines, [line.get_label() for line in lines])
 
 
 def _reward_panel(ax: Axes, rows: list[dict], summary: dict) -> None:
@@ -286,9 +311,10 @@ def _reward_panel(ax: Axes, rows: list[dict], summary: dict) -> None:
     if evals:
         ax.plot(*zip(*evals), "o--", label="held-out accuracy")
     ax.set_title("reward")
+    ax.set_ylabel("mean reward / accuracy")
     _step_axis(ax)
     if rows:
-        ax.legend(fontsize="small")
+        _legend_below(ax)
     else:
         _no_data(ax)
 
@@ -304,12 +330,17 @@ def _staleness_panel(ax: Axes, summary: dict) -> None:
         _no_data(ax)
         return
     ax.bar(list(hist), list(hist.values()))
-    # Staleness is a whole number of versions: a tick under each bar, none between.
-    ax.set_xticks(sorted(hist))
+    ax.set_ylabel("trajectories")
+    # Staleness is a whole number of versions: a tick under each bar while they fit, else
+    # whole numbers spaced to be read (30 stale versions side by side ran together).
+    if len(hist) <= 10:
+        ax.set_xticks(sorted(hist))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def plot_report(rows: list[dict], summary: dict) -> Figure:
+def plot_report(rows: list[dict], summary: dict, title: str = "") -> Figure:
     """The report figure: a 2 x 4 grid of panels (reward, tokens/s, staleness, loss and
     grad norm; KL, clip fractions, entropy, response length and truncation rate).
 
@@ -321,32 +352,54 @@ def plot_report(rows: list[dict], summary: dict) -> Figure:
     fig = Figure(figsize=(20, 8), layout="constrained")
     axes = fig.subplots(2, 4)
     _reward_panel(axes[0, 0], rows, summary)
-    _panel(axes[0, 1], rows, "trajectory tokens/s consumed", (("tokens_per_s", "tokens/s"),))
+    _panel(axes[0, 1], rows, "trajectory tokens/s consumed", (("tokens_per_s", "tokens/s"),),
+           left_label="tokens/s (since the first step)")
     _staleness_panel(axes[0, 2], summary)
     _panel(axes[0, 3], rows, "loss and grad norm", (("loss", "loss"),),
            (("grad_norm", "grad norm"), ("grad_norm_max", "grad norm max")),
-           "grad norm (before clipping)")
+           "grad norm (before clipping)", left_label="loss")
     _panel(axes[1, 0], rows, "KL (approx.)", (("behaviour_kl", "behaviour || proximal"),
                                               ("proximal_kl", "trained || proximal"),
-                                              ("kl", "to reference")))
+                                              ("kl", "to reference")),
+           left_label="nats / token")
     _panel(axes[1, 1], rows, "clip fraction", (("clip_fraction", "total"),
                                                ("clip_fraction_low", "low"),
-                                               ("clip_fraction_high", "high")))
-    _panel(axes[1, 2], rows, "mean token entropy", (("entropy", "entropy"),))
+                                               ("clip_fraction_high", "high")),
+           left_label="fraction of tokens")
+    _panel(axes[1, 2], rows, "mean token entropy", (("entropy", "entropy"),),
+           left_label="nats / token")
     _panel(axes[1, 3], rows, "response length (tokens)",
            (("response_length_mean", "mean"), ("response_length_max", "max")),
-           (("truncation_rate", "truncation rate"),), "truncation rate")
-    if summary.get("simulated_step"):
-        fig.suptitle("simulated training step")
+           (("truncation_rate", "truncation rate"),), "truncation rate (fraction)",
+           left_label="tokens")
+    parts = [p for p in (title, "simulated training step" if summary.get("simulated_step")
+                         else "") if p]
+    if parts:
+        fig.suptitle(" — ".join(parts), fontsize="x-large")
     return fig
 
 
+def run_title(run_dir: str | Path) -> str:
+    """``job <name> · <run dir>`` for a plot: the job from the ``laminar up`` stamp
+    (``launch.json``) in the run dir or one above it, else the dir alone."""
+    run = Path(run_dir).resolve()
+    for where in (run, run.parent):
+        try:
+            stamp = json.loads((where / "launch.json").read_text())
+            return f"job {stamp['job']} · {run}"
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return str(run)
+
+
 def write_plots(rows: list[dict], summary: dict, out_dir: str | Path,
-                workers: list[dict] | None = None) -> list[Path]:
+                workers: list[dict] | None = None, title: str | None = None) -> list[Path]:
     """Write ``report.png`` (:func:`plot_report`) and, when worker stats are given, the
-    per-worker ``timeline.png``; returns their paths ([] without matplotlib)."""
+    ``timeline.png`` of the trainer and the workers; returns their paths ([] without
+    matplotlib). ``title``: default :func:`run_title` of ``out_dir``."""
+    title = run_title(out_dir) if title is None else title
     try:
-        fig = plot_report(rows, summary)
+        fig = plot_report(rows, summary, title)
     except ImportError:
         return []
     out = Path(out_dir)
@@ -357,8 +410,8 @@ def write_plots(rows: list[dict], summary: dict, out_dir: str | Path,
     if workers and rows:
         t0 = rows[0]["time"] - rows[0]["step_s"] - rows[0]["wait_s"]
         note = " (simulated step)" if summary.get("simulated_step") else ""
-        timeline = write_timeline([("workers", workers, (t0, rows[-1]["time"]))],
-                                  out / "timeline.png", note)
+        timeline = write_timeline([("trainer and workers", [trainer_timeline(rows), *workers],
+                                    (t0, rows[-1]["time"]))], out / "timeline.png", note, title)
         if timeline is not None:
             paths.append(timeline)
     return paths
