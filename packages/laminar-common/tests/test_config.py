@@ -108,3 +108,22 @@ def test_a_misspelt_env_variable_is_warned_with_a_did_you_mean(capsys):
         "ignored: did you mean LAMINAR_ENGINE__BATCH?",
         "laminar-preflight WARNING: LAMINAR_JOBB sets no TierConfig field and is ignored: "
         "did you mean LAMINAR_JOB?"]
+
+
+def test_the_resolved_config_goes_beside_the_config_file_not_into_the_log(tmp_path, caplog):
+    import logging
+
+    from laminar_common.config import log_resolved
+
+    path = tmp_path / "worker.yaml"
+    path.write_text("job: from-file\n")
+    cfg = load_config(TierConfig, path, env={})
+    logger = logging.getLogger("test.resolved")
+    with caplog.at_level(logging.INFO, logger="test.resolved"):
+        log_resolved(logger, cfg, path)
+        log_resolved(logger, cfg, None)
+    written = tmp_path / "worker.resolved.yaml"
+    assert written.read_text() == dump_config(cfg) + "\n"
+    first, second = caplog.messages
+    assert first == f"resolved config: {written}"
+    assert second.startswith("resolved config:\njob: from-file\n")

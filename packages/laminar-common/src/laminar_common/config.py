@@ -437,6 +437,26 @@ def load_config(
         raise ConfigError(_format_errors(model, exc, origin)) from exc
 
 
+def log_resolved(logger: Any, config: BaseModel, path: str | os.PathLike[str] | None) -> None:
+    """Record a tier's resolved config at its start: beside its ``--config`` file as
+    ``<name>.resolved.yaml`` (one log line names it; the log starts with what the tier
+    does, not ~50 lines of settings), or in the log where no file was given."""
+    if path is None:
+        logger.info("resolved config:\n%s", dump_config(config))
+        return
+    src = Path(path)
+    out = src.with_name(f"{src.stem}.resolved.yaml")
+    try:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(dump_config(config) + "\n")
+        os.replace(tmp, out)
+    except OSError as exc:
+        logger.info("resolved config (not written to %s: %s):\n%s", out, exc,
+                    dump_config(config))
+        return
+    logger.info("resolved config: %s", out)
+
+
 def dump_config(config: BaseModel) -> str:
     """Render the resolved config as YAML (secrets masked) for the start-up log."""
     data = config.model_dump(mode="json")

@@ -53,7 +53,7 @@ def cli() -> None:
 @clitools.set_option("--set store.keep_versions=3")
 @_option("--check", is_flag=True, help="validate the config, print it resolved, and exit")
 def serve(config: str | None, overrides: tuple[str, ...], check: bool) -> int:
-    from laminar_common.config import dump_config, load_config
+    from laminar_common.config import dump_config, load_config, log_resolved
     from laminar_common.errors import ConfigError, LaminarError
     from laminar_common.logs import setup_logging
 
@@ -78,7 +78,7 @@ def serve(config: str | None, overrides: tuple[str, ...], check: bool) -> int:
         member=resolved.member_id or "",
         json_format=resolved.logging.json_format,
     )
-    log.info("resolved config:\n%s", dump_config(resolved))
+    log_resolved(log, resolved, config)
     try:
         service = make_relay_service(resolved)
         return service.run_forever()

@@ -75,7 +75,7 @@ def manage(config: str | None, overrides: tuple[str, ...], print_config: bool,
 
 def _run(cmd: str, path: str | None, overrides: tuple[str, ...], print_config: bool,
          resume: bool) -> int:
-    from laminar_common.config import dump_config, load_config
+    from laminar_common.config import dump_config, load_config, log_resolved
     from laminar_common.errors import LaminarError
     from laminar_common.logs import setup_logging
 
@@ -102,7 +102,7 @@ def _run(cmd: str, path: str | None, overrides: tuple[str, ...], print_config: b
         return 0
     member = config.worker_id if cmd == "serve" else config.manager_id
     setup_logging(config.logging.level, config.job, member, config.logging.json_format)
-    logging.getLogger(__name__).info("resolved config:\n%s", dump_config(config))
+    log_resolved(logging.getLogger(__name__), config, path)
     try:
         service = make_worker_service(config) if cmd == "serve" else \
             make_manager_service(config, resume=resume)

@@ -56,7 +56,7 @@ def run(config: str | None, overrides: tuple[str, ...], resume: bool, print_conf
 
 
 def _run(path: str | None, overrides: tuple[str, ...], resume: bool, print_config: bool) -> int:
-    from laminar_common.config import dump_config, load_config
+    from laminar_common.config import dump_config, load_config, log_resolved
     from laminar_common.errors import LaminarError
     from laminar_common.logs import setup_logging
 
@@ -83,7 +83,7 @@ def _run(path: str | None, overrides: tuple[str, ...], resume: bool, print_confi
     member = config.trainer_id if dist is None else f"{config.trainer_id}/rank{dist.rank}"
     setup_logging(config.logging.level, config.job, member, config.logging.json_format)
     if dist is None or dist.is_main:
-        logging.getLogger(__name__).info("resolved config:\n%s", dump_config(config))
+        log_resolved(logging.getLogger(__name__), config, path)
     try:
         if dist is not None and not dist.is_main:
             from .policy import run_follower
