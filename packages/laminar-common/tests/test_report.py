@@ -449,3 +449,18 @@ def test_many_staleness_bars_get_readable_ticks():
     panels = _panels(plot_report([], {"staleness_hist": hist}))
     ticks = panels["staleness at consume"].get_xticks()
     assert 2 <= len(ticks) <= 12 and all(t == int(t) for t in ticks)
+
+
+def test_an_interrupted_run_still_plots_its_step_0_eval(run):
+    """No summary.json (stopped, or still running): the step-0 eval comes from the first
+    step's row, where the trainer writes it."""
+    pytest.importorskip("matplotlib")
+    run_dir, _ = run
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["eval_before"] = 0.125
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rows, _ = load_metrics(run_dir)
+    reward = _panels(plot_report(rows, {}))["reward"]
+    held_out = next(line for line in reward.get_lines() if line.get_label() == "held-out accuracy")
+    assert (held_out.get_xdata()[0], held_out.get_ydata()[0]) == (0, 0.125)

@@ -710,7 +710,12 @@ class TrainerService(Service):
                       train_s: float, waited: float, stall: float) -> dict:
         staleness = [consume_version - t.policy_version for t in trajs]
         elapsed = time.monotonic() - self._t_first_step
+        # The step-0 eval rides on the first step's row: a run stopped before its summary
+        # (interrupted, or resumed later) still plots where it started.
+        first = {"eval_before": self.eval_before} \
+            if self.step == 1 and self.eval_before is not None else {}
         return {
+            **first,
             "step": self.step, "version": self.version, "time": time.time(),
             "loss": result.loss, "reward_mean": result.reward_mean,
             "tokens": result.tokens, "tokens_per_s": self._tokens_consumed / max(elapsed, 1e-9),

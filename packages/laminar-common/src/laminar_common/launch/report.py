@@ -304,8 +304,13 @@ def _reward_panel(ax: Axes, rows: list[dict], summary: dict) -> None:
             points = [(r["step"], v) for r in rows if (v := _by_source(r).get(source)) is not None]
             ax.plot(*zip(*points), ".:", label=f"train reward: {source}")
     evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
-    if summary.get("eval_before") is not None:
-        evals = [(0, summary["eval_before"]), *evals]
+    # The step-0 eval: the summary's, else the first step's row's (a run without a summary:
+    # interrupted, or still running).
+    before = summary.get("eval_before")
+    if before is None:
+        before = next((_number(r.get("eval_before")) for r in rows if r["step"] == 1), None)
+    if before is not None:
+        evals = [(0, before), *evals]
         if summary.get("eval_after") is not None and steps:
             evals.append((steps[-1], summary["eval_after"]))
     if evals:
