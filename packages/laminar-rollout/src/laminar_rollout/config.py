@@ -364,7 +364,7 @@ class ManagerConfig(ListenConfig):
     sampling: SamplingConfig = SamplingConfig()
     """Sampling parameters of every trajectory."""
     mode: Mode = "laminar"
-    """sync | one-step | laminar (see DESIGN.md, Scheduling modes)."""
+    """sync | one-step | laminar (see docs/design.md, Scheduling modes)."""
     batch_groups: int = Field(default=8, ge=1)
     """Groups per trainer step: the global batch of sync and one-step modes, and
     the unit of laminar mode's run-ahead bound (set it to the trainer's)."""

@@ -7,7 +7,7 @@ same version as possible, so the emptied ones pull the newest weights and take
 fresh prompts. Migrated trajectories keep their policy version (they move as
 prompt + generated tokens and are re-prefilled on the destination).
 
-Rule (DESIGN.md, Dynamic repack): group workers by weight version; in a group,
+Rule (docs/design.md, Dynamic repack): group workers by weight version; in a group,
 a worker whose queue is empty and whose load (KV use or active slots) is
 falling is a candidate source. Sources are taken smallest load first; each is
 packed whole into the *fullest* destination of its group that still fits both
