@@ -71,6 +71,7 @@ from .checkpoint import (
     save_model_dir,
 )
 from .config import TrainerConfig
+from .console import WAIT_REASON_EVERY_S, check_rewards, step_line, why_waiting
 from .distributed import Command, DistContext, save_sharded
 from .policy import Training, build_training, evaluate_records, restore_training
 from .precision import torch_dtype
@@ -550,7 +551,7 @@ class TrainerService(Service):
             now = time.monotonic()
             if now - said_at >= WAIT_REASON_EVERY_S:
                 # Only on a starved trainer, every so often: a step never waits on etcd.
-                said_at, why = now, self._why_waiting(n_groups)
+                said_at, why = now, self._why_waiting()
                 print(f"WAITING {now - t0:.0f}s for {n_groups} group(s) at step "
                       f"{self.step + 1}: {why}", flush=True)
                 self.status.put(State.TRAINER, json.dumps(
@@ -563,34 +564,14 @@ class TrainerService(Service):
                                    + (f": {why}" if why else ""))
         return True
 
-    def _why_waiting(self, n_groups: int) -> str:
-        """Why no data comes, as the manager's status in etcd tells (see ``_wait_for``)."""
-        held = f"{self.buffer.ready_groups()} complete group(s) held; "
+    def _why_waiting(self) -> str:
+        """See :func:`.console.why_waiting`; the manager's status read from etcd."""
         try:
             raw = self.coordinator.get_state(State.MANAGER)
         except LaminarError as exc:
-            return f"{held}the manager's status cannot be read from etcd ({exc})"
-        if raw is None:
-            return f"{held}no manager has reported a status (is the rollout tier up?)"
-        try:
-            status = json.loads(raw)
-            ledger = status.get("ledger", {})
-            workers = status.get("workers", {})
-            n_workers = len(workers) if isinstance(workers, dict) else int(workers)
-        except (ValueError, TypeError, AttributeError) as exc:
-            return f"{held}the manager's status does not parse ({exc})"
-        if status.get("prompts_exhausted"):
-            return (f"{held}the manager's prompts are exhausted (cursor "
-                    f"{status.get('cursor')}, ledger {ledger}): no new groups will come; give "
-                    "more prompts or epochs, or fewer total_steps (laminar up checks this "
-                    "before it starts)")
-        if status.get("holding_for_resume"):
-            return f"{held}the manager holds new work until resumed weights are published"
-        if n_workers == 0:
-            return f"{held}no rollout worker is connected to the manager"
-        rejected = status.get("trainer_rejections", 0)
-        return (f"{held}{n_workers} worker(s) generating, manager ledger {ledger}"
-                + (f", {rejected} trajectories rejected by this trainer" if rejected else ""))
+            return (f"{self.buffer.ready_groups()} complete group(s) held; the manager's "
+                    f"status cannot be read from etcd ({exc})")
+        return why_waiting(self.buffer.ready_groups(), raw)
 
     def _take_exactly(self, n_groups: int) -> list[Group]:
         """``n_groups`` groups at the trainer's version (the buffer may drop some it holds
@@ -749,41 +730,15 @@ class TrainerService(Service):
         self._warn_if_uniform(metrics)
 
     def _step_line(self, metrics: dict, result: StepResult) -> str:
-        """The console's line for a step (``laminar up`` shows it): the step of the total,
-        time, ETA, throughput, the latest eval, and what a user must see as it happens
-        (reward errors, groups that all scored the same)."""
-        total = self.config.total_steps
-        elapsed = time.monotonic() - self._t_first_step
-        done = self.step - self._first_step
-        eta = elapsed / done * (total - self.step) if done > 0 else 0.0
-        parts = [f"STEP {self.step} v{self.version} reward={result.reward_mean:.3f}",
-                 f"{self.step}/{total}", f"{_clock(elapsed)} elapsed, ETA {_clock(eta)}",
-                 f"{metrics['tokens_per_s']:.0f} tok/s"]
-        if self.eval_last:
-            parts.append(f"eval {self.eval_last.get('eval_accuracy', float('nan')):.3f} "
-                         f"(step {self._eval_step})")
-        errors = metrics.get("reward_errors", 0)
-        if errors:
-            parts.append(f"REWARD ERRORS {errors:.0f}/{metrics.get('trajectories', 0):.0f} "
-                         f"({self.buffer.stats.reward_errors} so far)")
-        if metrics.get("uniform_group_fraction", 0.0) >= 1.0:
-            parts.append("every group scored the same: nothing learned")
-        return " | ".join(parts)
+        return step_line(self.step, self.version, self.config.total_steps, result.reward_mean,
+                         metrics, time.monotonic() - self._t_first_step,
+                         self.step - self._first_step, self.eval_last, self._eval_step,
+                         self.buffer.stats.reward_errors)
 
     def _check_rewards(self, groups: list[Group]) -> None:
-        """The first step of a run whose every reward failed stops the trainer with the
-        cause (a missing answer key, a reward that cannot run): nothing it could train
-        on would teach anything, and the run would otherwise end with exit 0."""
-        trajs = [t for g in groups for t in g.trajectories()]
-        failed = [t for t in trajs if t.reward_error is not None]
-        if self.step != self._first_step or not trajs or len(failed) < len(trajs):
-            return
-        first = failed[0]
-        raise LaminarError(
-            f"step {self.step + 1}: every reward of the step failed ({len(failed)} of "
-            f"{len(trajs)}), e.g. {first.trajectory_id} from {first.worker_id}: "
-            f"{first.reward_error[:300]}; fix the reward or the data (answer_key) and start "
-            "again (nothing was trained or acked)")
+        """See :func:`.console.check_rewards` (a run's first step only)."""
+        if self.step == self._first_step:
+            check_rewards(self.step + 1, [t for g in groups for t in g.trajectories()])
 
     def _warn_if_uniform(self, metrics: dict) -> None:
         """Every group of the step scored the same: zero advantages, nothing learned.
@@ -1060,15 +1015,3 @@ class TrainerService(Service):
             "simulated_step": self.model is None, "run_dir": str(self.run_dir),
             "tracker_errors": self.trackers.errors,
         }
-
-
-WAIT_REASON_EVERY_S = 15.0
-"""A starved trainer says why it waits (console, ``laminar status``) this often."""
-
-
-def _clock(seconds: float) -> str:
-    """``1:02:03`` / ``2:03`` for a console line."""
-    seconds = max(0, int(round(seconds)))
-    h, rest = divmod(seconds, 3600)
-    m, sec = divmod(rest, 60)
-    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
