@@ -18,7 +18,7 @@ def test_the_step_line_has_progress_eval_and_what_went_wrong():
                     "eval 0.637 (step 10) | REWARD ERRORS 3/256 (7 so far) | every group "
                     "scored the same: nothing learned")
     # resumed at 9: the ETA counts this process's 2 steps, not the 11
-    assert "ETA 1:02:00" in step_line(11, 12, 100, 0.0, {"tokens_per_s": 1}, 2880, 2, {}, 0, 0)
+    assert "ETA 1:29:00" in step_line(11, 12, 100, 0.0, {"tokens_per_s": 1}, 120, 2, {}, 0, 0)
     assert clock(3725) == "1:02:05" and clock(-1) == "0:00"
 
 
