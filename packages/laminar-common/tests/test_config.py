@@ -127,3 +127,22 @@ def test_the_resolved_config_goes_beside_the_config_file_not_into_the_log(tmp_pa
     first, second = caplog.messages
     assert first == f"resolved config: {written}"
     assert second.startswith("resolved config:\njob: from-file\n")
+
+
+def test_another_tiers_field_in_the_environment_is_not_a_typo(capsys):
+    from laminar_common.launch.member import MemberConfig
+
+    assert set(MemberConfig.model_fields) <= __import__(
+        "laminar_common.config", fromlist=["TIER_FIELD_NAMES"]).TIER_FIELD_NAMES
+
+
+    class WorkerLike(LaminarModel):  # fields a worker has
+        kv_port: int = 0
+        reward_timeout_s: float = 30.0
+
+    # The trainer's wait_timeout_s and the manager's ack_port are near this model's
+    # fields, but are other tiers' own: silent. A true typo still warns.
+    load_config(WorkerLike, env={"LAMINAR_WAIT_TIMEOUT_S": "5", "LAMINAR_ACK_PORT": "1"})
+    assert capsys.readouterr().err == ""
+    load_config(WorkerLike, env={"LAMINAR_KV_PROT": "1"})
+    assert "did you mean LAMINAR_KV_PORT?" in capsys.readouterr().err

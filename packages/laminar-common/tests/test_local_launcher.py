@@ -251,3 +251,31 @@ def test_a_new_launch_over_checkpoints_is_refused_and_resume_or_fresh_say_what_t
     out = capsys.readouterr().out
     assert f"--resume: trainer goes on from {ckpt / 'step-00000030'}" in out
     assert "--resume: manager has nothing to resume from (state_dir " in out
+
+
+def test_resume_arguments_are_added_whole_and_once(tmp_path):
+    from laminar_common.launch.jobfile import for_resume, resume_args
+
+    path = _stateful_job(tmp_path)
+    job = load_job(path)
+    trainer = job.tiers["trainer"].model_copy(update={
+        "args": ("--set", "a=1"), "restart_args": ("--resume", "--set", "b=2")})
+    job = job.model_copy(update={"tiers": {**job.tiers, "trainer": trainer}})
+    resumed = for_resume(job).tiers["trainer"]
+    assert resumed.args == ("--set", "a=1", "--resume", "--set", "b=2")
+    assert for_resume(for_resume(job)).tiers["trainer"].args == resumed.args
+    # what a Ray restart adds: the same
+    assert resume_args(trainer) == ("--resume", "--set", "b=2")
+    assert resume_args(job.tiers["manager"]) == ("--resume",)
+
+
+def test_a_failing_set_up_step_shows_its_error_even_after_a_long_output(tmp_path, capsys):
+    chatty = ("import sys\nfor i in range(100): print(f'line {i}')\n"
+              "print('the real error', file=sys.stderr); sys.exit(3)")
+    launcher = _launcher(tmp_path, {"trainer": _tier(tmp_path, exit=0)},
+                         setup=[("python", "-c", chatty)])
+    with pytest.raises(LaminarError, match="setup command failed"):
+        launcher.run()
+    out = capsys.readouterr().out
+    assert "line 59" in out and "line 60" not in out.split("more lines in")[0]
+    assert "(41 more lines in " in out and "the real error" in out.split("more lines in")[1]

@@ -114,3 +114,12 @@ def test_help_of_every_command_imports_nothing_heavy():
     assert out.returncode == 0, out.stderr
     codes, heavy = json.loads(out.stdout)
     assert set(codes) == {0} and heavy == []
+
+
+def test_every_config_field_is_known_to_common_so_no_other_tier_warns_of_it():
+    """One environment serves every tier: a LAMINAR_* variable for this tier's field must
+    not read as a typo to another tier (laminar_common.config.TIER_FIELD_NAMES)."""
+    from laminar_common.config import TIER_FIELD_NAMES
+
+    for model in (RelayConfig,):
+        assert set(model.model_fields) <= TIER_FIELD_NAMES, set(model.model_fields) - TIER_FIELD_NAMES

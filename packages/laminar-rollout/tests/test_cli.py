@@ -154,3 +154,12 @@ def test_replicas_of_one_config_draw_different_random_streams():
     assert len(seeds) == 4 and None not in seeds
     assert engine_config_for(eng, "worker-0").seed == engine_config_for(eng, "worker-0").seed
     assert engine_config_for(SimulatedEngineConfig(seed=7), "worker-0").seed == 7  # kept
+
+
+def test_every_config_field_is_known_to_common_so_no_other_tier_warns_of_it():
+    """One environment serves every tier: a LAMINAR_* variable for this tier's field must
+    not read as a typo to another tier (laminar_common.config.TIER_FIELD_NAMES)."""
+    from laminar_common.config import TIER_FIELD_NAMES
+
+    for model in (ManagerConfig, WorkerConfig,):
+        assert set(model.model_fields) <= TIER_FIELD_NAMES, set(model.model_fields) - TIER_FIELD_NAMES

@@ -5,6 +5,7 @@ asks for it, the inproc twin by address), in-memory etcd twin, simulated engines
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import pytest
@@ -371,6 +372,10 @@ def test_a_resumed_manager_sends_no_work_before_the_resumed_weights(stack, tmp_p
     start_worker("w1", step_s=0.002)
     trainer.pump(1.5)
     assert trainer.got == [] and second.summary()["holding_for_resume"] is True
+    # Interrupted again while it holds: its state keeps what it waits for (not etcd's v0).
+    second._write_state(force=True)
+    saved = json.loads((tmp_path / "manager" / "manager_state.json").read_text())
+    assert saved["resume_seen"] == 3 and saved["summary"]["latest_version"] == 0
     trainer.coord.publish_version(VersionRecord(version=1))  # the resumed trainer's first
     assert _wait(lambda: len(trainer.got) >= 8, 20, trainer)
     assert {t.policy_version for t in trainer.got} == {1}

@@ -190,3 +190,17 @@ def test_dynamic_sampling_group_with_a_failed_member():
     assert g.prompt_id == "a" and [t.sample_index for t in g.trajectories()] == [0, 2]
     assert buf.pop_filtered() == [("b", 7), ("z", 8)]
     assert buf.pop_dropped() == ["b#0"] and buf.stats.filtered == 2 and len(buf) == 0
+
+
+def test_dynamic_sampling_keeps_a_group_whose_every_reward_failed():
+    """Filtered, a group of failed rewards (all 0.0) would hide a broken reward until the
+    prompts ran out; kept, the trainer's first-step check names the error."""
+    buf = ExperienceBuffer(dynamic_sampling=True)
+    for i in range(2):
+        buf.add(_seq(msgspec.structs.replace(traj("broken", i, reward=0.0),
+                                             reward_error="ValueError: no answer"), 0))
+    for i in range(2):
+        buf.add(_seq(traj("same", i, reward=0.0), 1))
+    assert buf.ready_groups() == 1 and buf.pop_filtered() == [("same", 1)]
+    (g,) = buf.take(5, trainer_version=0)
+    assert g.prompt_id == "broken"

@@ -135,3 +135,12 @@ def test_help_and_print_config_import_no_torch():
     assert out.returncode == 0, out.stderr
     codes, heavy = json.loads(out.stdout)
     assert codes == [0] * (len(cli.commands) + 2) and heavy == []
+
+
+def test_every_config_field_is_known_to_common_so_no_other_tier_warns_of_it():
+    """One environment serves every tier: a LAMINAR_* variable for this tier's field must
+    not read as a typo to another tier (laminar_common.config.TIER_FIELD_NAMES)."""
+    from laminar_common.config import TIER_FIELD_NAMES
+
+    for model in (TrainerConfig,):
+        assert set(model.model_fields) <= TIER_FIELD_NAMES, set(model.model_fields) - TIER_FIELD_NAMES

@@ -321,12 +321,36 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+TIER_FIELD_NAMES = frozenset({
+    "ack_listen", "ack_port", "activation_checkpointing", "advertise_host", "auth",
+    "batch_groups", "bind_host", "buffer", "chain", "checkpoint", "data", "device", "dtype",
+    "engine", "environment", "epochs", "etcd", "eval", "fetch_timeout_s", "final_dir",
+    "group_size", "grpc_port", "grpc_workers", "host_id", "job", "kv_fetch_timeout_s",
+    "kv_hold_max_mb", "kv_hold_s", "kv_listen", "kv_plane", "kv_port", "kv_transfer_max_mb",
+    "lease_grace_s", "ledger_keep_groups", "listen", "logging", "loss", "manager_id",
+    "max_fetch_wait_s", "max_prompts", "max_rejections", "max_staleness", "max_waiting",
+    "member_id", "metrics", "mode", "model_dir", "optim", "outbox_capacity", "port", "prompts",
+    "protocol_version", "publish_delta_full_every", "publish_dtype", "publish_every",
+    "refill_fraction", "relay", "repack", "report_interval_s", "resend_after_s", "reward",
+    "reward_timeout_s", "reward_workers", "role", "run_dir", "samples", "sampling", "seed",
+    "simulate", "state_dir", "stats_path", "store", "temperature", "threads", "total_steps",
+    "tracking", "trainer_id", "wait_timeout_s", "weight_load_timeout_s", "worker_id",
+    "worker_timeout_s"
+})
+"""Every top-level config field of Laminar's tiers (relay, manager, worker, trainer, and
+``laminar member``): one environment serves every tier, so a ``LAMINAR_*`` variable that
+names another tier's field is not a typo. Each tier's tests check that its configs' fields
+are all here."""
+
+
 def _warn_near_miss(model: type[BaseModel], dotted: str, source: str, prefix: str) -> None:
     """An env variable that sets no field of ``model`` but nearly names one (a typo such as
     ``LAMINAR_TOTAL_STEP``) is said on stderr (with the preflight prefix, so ``laminar up``
     shows it); other ``LAMINAR_*`` variables (another tier's fields, the CLIs' option
     variables) are left alone, as one environment serves every tier."""
     head = dotted.split(".")[0]
+    if head in TIER_FIELD_NAMES:
+        return
     close = difflib.get_close_matches(head, list(model.model_fields), n=1, cutoff=0.8)
     if not close:
         return

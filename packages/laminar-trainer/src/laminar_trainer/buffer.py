@@ -89,6 +89,14 @@ class Group:
         group-relative advantage somewhere)."""
         return len(self.members) >= 2 and len({t.reward for t in self.members.values()}) > 1
 
+    @property
+    def rewards_failed(self) -> bool:
+        """Every member's reward failed (``reward_error``): dynamic sampling keeps such a
+        group, so that a broken reward or answer key is named by the trainer's first step
+        instead of filtered away until the prompts run out."""
+        return bool(self.members) and all(t.reward_error is not None
+                                          for t in self.members.values())
+
 
 class Added(enum.Enum):
     """What :meth:`ExperienceBuffer.add` did with a trajectory (true only when buffered)."""
@@ -233,8 +241,9 @@ class ExperienceBuffer:
 
     def _completed_locked(self, group: Group) -> None:
         """``group`` just completed (caller holds the lock): wake the trainer, or mark it
-        for dropping when dynamic sampling finds it uninformative."""
-        if self.dynamic_sampling and not group.informative:
+        for dropping when dynamic sampling finds it uninformative (see
+        :attr:`Group.rewards_failed` for the groups it keeps all the same)."""
+        if self.dynamic_sampling and not (group.informative or group.rewards_failed):
             self._uninformative[group.prompt_id] = None
         else:
             self._cond.notify_all()
@@ -277,7 +286,8 @@ class ExperienceBuffer:
         self._uninformative = {}
 
     def _ready(self, group: Group) -> bool:
-        return group.complete and (not self.dynamic_sampling or group.informative)
+        return group.complete and (not self.dynamic_sampling or group.informative
+                                   or group.rewards_failed)
 
     def ready_groups(self) -> int:
         """Complete groups buffered that :meth:`take` would hand out (or drop as stale)."""

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 from laminar_common.codec import Trajectory
 
-__all__ = ["Invalid", "check_trajectory", "REASONS", "MAX_DATA_SOURCE_CHARS"]
+__all__ = ["Invalid", "check_trajectory", "REASONS", "MAX_DATA_SOURCE_CHARS",
+           "STALE_AFTER_RESUME"]
+
+STALE_AFTER_RESUME = "stale-after-resume"
+"""The reason a resumed trainer gives (first) for a trajectory from weights older than its
+staleness bound allows: not its content; the manager has it generated again and counts it
+apart from content rejections."""
 
 REASONS = ("bad-group", "empty-prompt", "empty-response", "length-mismatch",
            "token-out-of-range", "non-finite-reward", "bad-logprob", "bad-version",

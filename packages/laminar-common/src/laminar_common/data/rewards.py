@@ -210,6 +210,8 @@ class _TrlReward:
         offered["completions"] = [[{"role": "assistant", "content": completion}] if chat
                                   else completion]
         out = self.fn(**_accepted(self.fn, offered))
+        if hasattr(out, "tolist") and not isinstance(out, (str, bytes)):
+            out = out.tolist()  # a numpy array or a torch tensor, as some TRL rewards return
         if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != 1:
             raise TypeError(f"TRL-style reward {self.spec or self.__name__} returned {out!r} "
                             "for one completion: expected a list of one number")

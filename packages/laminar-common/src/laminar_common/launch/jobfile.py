@@ -48,8 +48,9 @@ class TierSpec(LaminarModel):
     max_restarts: int = Field(default=-1, ge=-1)
     """Ray backend: times Ray restarts a replica that failed (-1: without limit)."""
     restart_args: tuple[str, ...] = ()
-    """Ray backend: CLI arguments added when a failed replica is started again, e.g.
-    [--resume] for the trainer (checkpoint.dir) or the manager (state_dir)."""
+    """CLI arguments that make the tier resume: added when Ray starts a failed replica
+    again, and by ``laminar up --resume``. Empty: ``--resume`` for Laminar's trainer
+    (checkpoint.dir) and manager (state_dir), nothing for other commands."""
     config: dict[str, Any] = {}
     """The tier's config (written to a YAML file per replica)."""
     id_field: str | None = None
@@ -133,6 +134,15 @@ def for_resume(job: JobFile) -> JobFile:
     """``job`` with every tier's resume arguments added (``laminar up --resume``)."""
     tiers = {}
     for name, spec in job.tiers.items():
-        extra = tuple(a for a in resume_args(spec) if a not in spec.args)
-        tiers[name] = spec.model_copy(update={"args": (*spec.args, *extra)}) if extra else spec
+        extra = resume_args(spec)
+        if not extra or _contains(spec.args, extra):
+            tiers[name] = spec
+        else:
+            tiers[name] = spec.model_copy(update={"args": (*spec.args, *extra)})
     return job.model_copy(update={"tiers": tiers})
+
+
+def _contains(args: tuple[str, ...], part: tuple[str, ...]) -> bool:
+    """Whether ``part`` appears in ``args`` as a run of whole arguments."""
+    n = len(part)
+    return any(tuple(args[i:i + n]) == part for i in range(len(args) - n + 1))

@@ -248,6 +248,9 @@ class LocalLauncher:
             shown = self._echo_setup(child, shown)
             if shown > SETUP_ECHO_LINES:
                 self._say(f"  ({shown - SETUP_ECHO_LINES} more lines in {child.log_path})")
+                if code != 0:  # its error is at the end: show that part too
+                    for line in child.lines[max(SETUP_ECHO_LINES, shown - 10):]:
+                        self._say(f"  {line[:200]}")
             if code != 0:
                 raise LaminarError(f"setup command failed ({code}): {shlex.join(argv)}; "
                                    f"see {child.log_path}")

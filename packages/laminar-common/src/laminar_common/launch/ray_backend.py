@@ -15,7 +15,8 @@ tier with more than one, are spread over the nodes that fit them (``SPREAD``:
 one node lost takes as few of a tier's replicas as it can).
 A replica whose process exits with a non-zero code (or whose actor dies) is
 restarted by Ray, up to the tier's ``max_restarts`` (-1: always), with the
-tier's ``restart_args`` added (``--resume`` for a trainer or manager); this
+tier's resume arguments added (its ``restart_args``, else ``--resume`` for Laminar's
+trainer and manager: a restart that started afresh would remove the run's checkpoints); this
 includes the ``wait_for`` tier, whose exit with 0 ends the run.
 
 Per node: each actor tells its tier which node it runs on, unless the tier's
@@ -57,7 +58,7 @@ import time
 from pathlib import Path
 
 from laminar_common.errors import LaminarError
-from laminar_common.launch.jobfile import JobFile, fill_placeholders
+from laminar_common.launch.jobfile import JobFile, fill_placeholders, resume_args
 from laminar_common.launch.local import LocalLauncher
 from laminar_common.launch.readiness import wait_ready
 
@@ -201,8 +202,8 @@ class RayLauncher(LocalLauncher):
                 elif tier == "relay" or spec.replicas > 1:
                     options["scheduling_strategy"] = "SPREAD"
                 actor = replica_cls.options(**options).remote(
-                    name, argv, config_text, str(self.run_dir / "logs"), list(spec.restart_args),
-                    multi_node)
+                    name, argv, config_text, str(self.run_dir / "logs"),
+                    list(resume_args(spec)), multi_node)
                 self.actors.append((name, actor))
                 started[tier].append(actor)
                 self._say(f"started {name} as a Ray actor ({options['num_cpus']} CPU, "
@@ -267,7 +268,7 @@ class RayLauncher(LocalLauncher):
                         (spec.max_restarts < 0 or restarts < spec.max_restarts):
                     restarts += 1
                     self._say(f"{self.job.wait_for} crashed ({code}); restart {restarts} "
-                              f"with {list(spec.restart_args)}")
+                              f"with {list(resume_args(spec))}")
                     target.fail_if_crashed.remote()
                     continue
                 if not alive:
