@@ -279,3 +279,11 @@ def test_a_failing_set_up_step_shows_its_error_even_after_a_long_output(tmp_path
     out = capsys.readouterr().out
     assert "line 59" in out and "line 60" not in out.split("more lines in")[0]
     assert "(41 more lines in " in out and "the real error" in out.split("more lines in")[1]
+
+
+def test_a_tier_that_saves_nothing_gets_no_resume_argument(tmp_path):
+    from laminar_common.launch.jobfile import resume_args
+
+    job = load_job(_stateful_job(tmp_path))
+    bare = {name: spec.model_copy(update={"config": {}}) for name, spec in job.tiers.items()}
+    assert resume_args(bare["manager"]) == () == resume_args(bare["trainer"])

@@ -124,10 +124,20 @@ def load_job(path: str | os.PathLike[str], overrides: list[str] = ()) -> JobFile
 
 def resume_args(spec: TierSpec) -> tuple[str, ...]:
     """The arguments that make ``spec``'s tier resume: its ``restart_args`` where the job
-    gives them, else ``--resume`` for Laminar's trainer and manager, else none."""
+    gives them, else ``--resume`` for Laminar's trainer with a ``checkpoint.dir`` and
+    manager with a ``state_dir`` (as the job's config gives them), else none."""
     if spec.restart_args:
         return tuple(spec.restart_args)
-    return ("--resume",) if tuple(spec.command[:2]) in RESUMABLE_COMMANDS else ()
+    command = tuple(spec.command[:2])
+    if command == RESUMABLE_COMMANDS[0]:  # the trainer: from checkpoint.dir
+        saves = (spec.config.get("checkpoint") or {}).get("dir")
+    elif command == RESUMABLE_COMMANDS[1]:  # the manager: from state_dir
+        saves = spec.config.get("state_dir")
+    else:
+        return ()
+    # A tier that saves nothing has nothing to resume from (a manager refuses --resume
+    # without state_dir): it starts afresh, as before.
+    return ("--resume",) if saves else ()
 
 
 def for_resume(job: JobFile) -> JobFile:
