@@ -35,6 +35,13 @@ class Trainer:
         self.got: list[Trajectory] = []
         self.acker = None
 
+    def restarted(self, started_at=None):
+        """Its member record as a restarted trainer process writes it (a new start time);
+        ``started_at`` in the past: the same process, alive all along."""
+        self.coord.update_record(MemberRecord(
+            member_id="trainer", role="trainer", address=self.rx.endpoint,
+            started_at=time.time() if started_at is None else started_at))
+
     def pump(self, seconds=0.05):
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -367,6 +374,7 @@ def test_a_resumed_manager_sends_no_work_before_the_resumed_weights(stack, tmp_p
     trainer.pump(0.3)
     trainer.got.clear()
     store.delete(trainer.coord.keys.weights_latest())  # a fresh etcd
+    trainer.restarted()  # the whole job restarted: the trainer too
 
     second = start_manager(resume=True, n_prompts=40, group_size=2, state_dir=state_dir)
     start_worker("w1", step_s=0.002)
@@ -380,6 +388,35 @@ def test_a_resumed_manager_sends_no_work_before_the_resumed_weights(stack, tmp_p
     assert _wait(lambda: len(trainer.got) >= 8, 20, trainer)
     assert {t.policy_version for t in trainer.got} == {1}
     assert second.summary()["holding_for_resume"] is False
+
+
+def test_a_resumed_manager_holds_for_a_dead_trainers_record_not_a_live_trainers(
+        stack, tmp_path):
+    """etcd kept (an external etcd): its weights/latest v3 may be a dead trainer's, whose
+    steps the resume rolls back. With no trainer alive since before the manager's save,
+    the manager holds; with one (only the manager restarted), it goes on at once."""
+    store, trainer, start_manager, start_worker = stack
+    state_dir = str(tmp_path / "manager")
+    first = start_manager(n_prompts=40, group_size=2, state_dir=state_dir)
+    w0 = start_worker("w0", step_s=0.002)
+    trainer.coord.publish_version(VersionRecord(version=3))
+    assert _wait(lambda: any(t.policy_version == 3 for t in trainer.got), 20, trainer)
+    first.close("killed")
+    w0.close("killed")
+    trainer.pump(0.3)
+
+    trainer.restarted()  # a trainer resumed: v3 in etcd is its dead predecessor's
+    held = start_manager(resume=True, n_prompts=40, group_size=2, state_dir=state_dir)
+    assert held.summary()["holding_for_resume"] is True
+    held.close("killed")
+
+    trainer.restarted(started_at=time.time() - 3600)  # only the manager restarted
+    second = start_manager(resume=True, n_prompts=40, group_size=2, state_dir=state_dir)
+    assert second.summary()["holding_for_resume"] is False
+    trainer.got.clear()
+    start_worker("w1", step_s=0.002)
+    assert _wait(lambda: len(trainer.got) >= 4, 20, trainer)
+    assert {t.policy_version for t in trainer.got} == {3}
 
 
 def test_trainer_rejections_regenerate_and_ack_socket_rejects_are_metrics(stack):

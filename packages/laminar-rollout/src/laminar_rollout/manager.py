@@ -66,10 +66,8 @@ __all__ = ["ManagerService"]
 
 log = logging.getLogger(__name__)
 
-RESUME_HOLD_S = 120.0
-"""How long a resumed manager holds new work for the resumed weights (see ``_resume_hold``)
-before it sends work out at what it has (a trainer that kept running but waits for data
-publishes nothing new)."""
+RESUME_HOLD_SAY_EVERY_S = 60.0
+"""A resumed manager holding new work for the resumed weights says so this often."""
 
 
 @dataclass
@@ -145,10 +143,12 @@ class ManagerService(Service):
         self.batch = -1
         self._resume_hold: tuple[int, float] | None = None
         """After ``--resume``: (the newest version this manager had seen, when it saved).
-        No new work goes out until a version at least that new, or one published after
-        that save (the resumed trainer's), is known: until then the workers hold their
-        initial weights, and what they generated would be older than any staleness bound."""
-        self._resume_hold_deadline = 0.0
+        No new work goes out until the weights workers load are the running trainer's: a
+        version published after that save, or a trainer alive since before it (only this
+        manager restarted). Until then the workers hold their initial weights (or a dead
+        trainer's, rolled back by its resume), and what they generated would be older than
+        any staleness bound."""
+        self._resume_hold_said = 0.0
         if resume:
             self._restore()
         self.stats = ManagerStats()
@@ -228,8 +228,9 @@ class ManagerService(Service):
             self.latest = latest.version
             self._trainer_step = _trainer_step(latest)
         if self._resume_hold is not None:
-            self._resume_hold_deadline = time.monotonic() + RESUME_HOLD_S
+            self._resume_hold_said = time.monotonic()
             self._release_resume_hold(latest)
+            self._release_if_the_trainer_lived()
             if self._resume_hold is not None:
                 log.warning("resumed: no new work until the trainer publishes its resumed "
                             "weights (this manager had seen v%d; etcd has %s)",
@@ -320,25 +321,38 @@ class ManagerService(Service):
                                     "keeping it (etcd paused?)", payload.member_id, silent)
 
     def _release_resume_hold(self, record: VersionRecord | None) -> None:
-        """End the hold after ``--resume`` (see ``_resume_hold``) once ``record`` is the
-        resumed run's weights: as new as what was seen before, or published since."""
+        """End the hold after ``--resume`` (see ``_resume_hold``) once ``record`` was
+        published after this manager's last save (the running trainer's weights)."""
         if self._resume_hold is None or record is None:
             return
-        seen, saved_at = self._resume_hold
-        if record.version >= seen or record.published_at > saved_at:
+        if record.published_at > self._resume_hold[1]:
             self._resume_hold = None
             log.info("resumed: new work goes out at v%d", record.version)
+
+    def _release_if_the_trainer_lived(self) -> None:
+        """At start (one etcd read): a trainer registered since before this manager's last
+        save is the one that published what etcd holds; only the manager restarted, and a
+        trainer waiting for data would publish nothing new to end the hold."""
+        if self._resume_hold is None:
+            return
+        saved_at = self._resume_hold[1]
+        lived = [m for m in self.coordinator.members(Role.TRAINER).values()
+                 if m.started_at < saved_at]
+        if lived:
+            self._resume_hold = None
+            log.info("resumed: trainer %s ran all along (since before the last save); new "
+                     "work goes out at v%d", lived[0].member_id, self.latest)
 
     def _holding_for_resume(self) -> bool:
         if self._resume_hold is None:
             return False
-        if time.monotonic() < self._resume_hold_deadline:
-            return True
-        log.warning("resumed: no version newer than v%d for %.0fs; sending work out at v%d "
-                    "(the trainer refuses what is staler than its bound after a resume)",
-                    self._resume_hold[0], RESUME_HOLD_S, self.latest)
-        self._resume_hold = None
-        return False
+        now = time.monotonic()
+        if now - self._resume_hold_said >= RESUME_HOLD_SAY_EVERY_S:
+            self._resume_hold_said = now
+            log.warning("resumed: still holding new work until the trainer publishes its "
+                        "resumed weights (this manager had seen v%d; latest v%d)",
+                        self._resume_hold[0], self.latest)
+        return True
 
     def _handle(self, peer: str, msg: codec.Message) -> None:
         if isinstance(msg, codec.Hello):
