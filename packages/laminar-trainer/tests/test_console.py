@@ -51,3 +51,16 @@ def test_every_reward_failed_stops_with_the_first_error():
     with pytest.raises(LaminarError, match=r"step 1: every reward of the step failed \(2 of 2"
                                            r"\), e.g. p#0 from w: ValueError: x"):
         check_rewards(1, [_traj(0, "ValueError: x"), _traj(1, "ValueError: y")])
+
+
+def test_nothing_more_coming_only_when_exhausted_and_nothing_is_left_out():
+    from laminar_trainer.console import nothing_more_coming
+
+    def status(**kw):
+        return json.dumps(kw).encode()
+
+    assert nothing_more_coming(status(prompts_exhausted=True,
+                                      ledger={"pending": 0, "dispatched": 0, "done": 9}))
+    assert not nothing_more_coming(status(prompts_exhausted=True, ledger={"dispatched": 2}))
+    assert not nothing_more_coming(status(prompts_exhausted=False, ledger={}))
+    assert not nothing_more_coming(None) and not nothing_more_coming(b"{not json")

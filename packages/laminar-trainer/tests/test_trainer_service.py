@@ -240,6 +240,42 @@ def test_a_first_step_whose_every_reward_failed_stops_the_trainer_with_the_cause
         svc.close()
 
 
+@pytest.mark.parametrize("action", ["finish", "fail"])
+def test_data_that_runs_out_ends_the_run_or_fails_it_naming_the_cause(
+        tmp_path, model_dir, monkeypatch, capsys, action):
+    """The manager's status says its prompts are exhausted and nothing is left to
+    generate: the starved trainer says so, then ends the run there with its final model
+    and summary (finish), or fails at once naming the cause (fail), not after
+    wait_timeout_s."""
+    import laminar_trainer.service as service_module
+    from laminar_common.roles import State
+
+    monkeypatch.setattr(service_module, "WAIT_REASON_EVERY_S", 0.3)
+    h = Harness(tmp_path, model_dir, total_steps=3, on_data_exhausted=action,
+                wait_timeout_s=120)
+    h.manager_coord.put_state(State.MANAGER, json.dumps(
+        {"prompts_exhausted": True, "cursor": {"epoch": 1, "position": 0},
+         "ledger": {"pending": 0, "dispatched": 0, "done": 0, "acked": 4},
+         "workers": {"w": {}}}).encode())
+    svc = h.start()
+    try:
+        h.send(svc, [t for p in "ab" for t in _trajs(p)])
+        if action == "fail":
+            assert _wait(lambda: svc.failure is not None, 30)
+            assert "no more data will come at step 2 of 3: 0 complete group(s) held; the " \
+                   "manager's prompts are exhausted" in str(svc.failure)
+            return
+        assert _wait(lambda: svc.finished.is_set(), 60)
+        out = capsys.readouterr().out
+        assert "WAITING " in out and "DATA EXHAUSTED: the data ran out at step 2 of 3" in out
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert summary["steps"] == 1 and "step 2 of 3" in summary["ended_early"]
+        assert summary["final_model"] and (tmp_path / "run" / "final").is_dir()
+        assert (tmp_path / "ckpt" / "LATEST").read_text() == "step-00000001"
+    finally:
+        svc.close()
+
+
 def test_graceful_stop_writes_a_final_checkpoint_and_acks_it(tmp_path, model_dir):
     h = Harness(tmp_path, model_dir, total_steps=5)
     svc = h.start()

@@ -319,6 +319,11 @@ class TrainerConfig(ListenConfig):
     wait_timeout_s: float = Field(default=600.0, gt=0)
     """Give up if the data a step waits for (its whole batch; with ``optim.stream``, each
     mini-batch) does not arrive for this long."""
+    on_data_exhausted: Literal["fail", "finish"] = "fail"
+    """When the manager says its prompts are exhausted and nothing is left to generate
+    before ``total_steps`` (two checks 15 s apart): ``fail`` at once naming the cause, or
+    ``finish`` the run there, with its final eval, final model and summary
+    (``ended_early``). ``laminar up`` refuses a job whose prompts cannot last beforehand."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training precision. float32: everything in fp32. bfloat16: mixed precision, the
     master weights and the optimizer state stay fp32 and forward/backward run under

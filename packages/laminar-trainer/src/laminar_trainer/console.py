@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from laminar_common.codec import Trajectory
 from laminar_common.errors import LaminarError
 
-__all__ = ["WAIT_REASON_EVERY_S", "step_line", "why_waiting", "check_rewards", "clock"]
+__all__ = ["WAIT_REASON_EVERY_S", "step_line", "why_waiting", "nothing_more_coming",
+           "check_rewards", "clock"]
 
 WAIT_REASON_EVERY_S = 15.0
 """A starved trainer says why it waits (console, ``laminar status``) this often."""
@@ -78,6 +79,20 @@ def why_waiting(held_groups: int, manager_status: bytes | None) -> str:
     rejected = status.get("trainer_rejections", 0)
     return (f"{held}{n_workers} worker(s) generating, manager ledger {ledger}"
             + (f", {rejected} trajectories rejected by this trainer" if rejected else ""))
+
+
+def nothing_more_coming(manager_status: bytes | None) -> bool:
+    """The manager's prompts are exhausted and it has nothing pending or out at workers:
+    no more trajectories will come (what is generated has been sent)."""
+    if manager_status is None:
+        return False
+    try:
+        status = json.loads(manager_status)
+        ledger = status.get("ledger", {})
+        return bool(status.get("prompts_exhausted")) and \
+            int(ledger.get("pending", 0)) == 0 and int(ledger.get("dispatched", 0)) == 0
+    except (ValueError, TypeError, AttributeError):
+        return False
 
 
 def check_rewards(step: int, trajs: Sequence[Trajectory]) -> None:
