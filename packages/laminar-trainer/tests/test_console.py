@@ -59,8 +59,9 @@ def test_nothing_more_coming_only_when_exhausted_and_nothing_is_left_out():
     def status(**kw):
         return json.dumps(kw).encode()
 
-    assert nothing_more_coming(status(prompts_exhausted=True,
-                                      ledger={"pending": 0, "dispatched": 0, "done": 9}))
-    assert not nothing_more_coming(status(prompts_exhausted=True, ledger={"dispatched": 2}))
-    assert not nothing_more_coming(status(prompts_exhausted=False, ledger={}))
-    assert not nothing_more_coming(None) and not nothing_more_coming(b"{not json")
+    done9 = status(prompts_exhausted=True, ledger={"pending": 0, "dispatched": 0, "done": 9})
+    assert nothing_more_coming(done9, held=9)
+    assert not nothing_more_coming(done9, held=8)  # one is still on its way (a re-send)
+    assert not nothing_more_coming(status(prompts_exhausted=True, ledger={"dispatched": 2}), 9)
+    assert not nothing_more_coming(status(prompts_exhausted=False, ledger={}), 9)
+    assert not nothing_more_coming(None, 9) and not nothing_more_coming(b"{not json", 9)

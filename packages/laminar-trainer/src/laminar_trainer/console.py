@@ -81,16 +81,20 @@ def why_waiting(held_groups: int, manager_status: bytes | None) -> str:
             + (f", {rejected} trajectories rejected by this trainer" if rejected else ""))
 
 
-def nothing_more_coming(manager_status: bytes | None) -> bool:
-    """The manager's prompts are exhausted and it has nothing pending or out at workers:
-    no more trajectories will come (what is generated has been sent)."""
+def nothing_more_coming(manager_status: bytes | None, held: int) -> bool:
+    """No more trajectories will come: the manager's prompts are exhausted, it has
+    nothing pending or out at workers, and every trajectory it counts as done (finished,
+    not acked) is with the trainer, which holds ``held`` unacked ones (buffered, or
+    trained and waiting for a checkpoint's ack). A done one the trainer lacks is still
+    on its way (a worker re-sends what was not acked, at growing intervals)."""
     if manager_status is None:
         return False
     try:
         status = json.loads(manager_status)
         ledger = status.get("ledger", {})
         return bool(status.get("prompts_exhausted")) and \
-            int(ledger.get("pending", 0)) == 0 and int(ledger.get("dispatched", 0)) == 0
+            int(ledger.get("pending", 0)) == 0 and int(ledger.get("dispatched", 0)) == 0 \
+            and int(ledger.get("done", 0)) <= held
     except (ValueError, TypeError, AttributeError):
         return False
 

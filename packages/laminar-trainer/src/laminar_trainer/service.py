@@ -592,7 +592,8 @@ class TrainerService(Service):
         except LaminarError as exc:
             return (f"{self.buffer.ready_groups()} complete group(s) held; the manager's "
                     f"status cannot be read from etcd ({exc})"), False
-        return why_waiting(self.buffer.ready_groups(), raw), nothing_more_coming(raw)
+        held = len(self.buffer) + len(self._unacked)
+        return why_waiting(self.buffer.ready_groups(), raw), nothing_more_coming(raw, held)
 
     def _data_ran_out(self, why: str) -> bool:
         """No more data will come before ``total_steps`` (see ``on_data_exhausted``):
