@@ -11,7 +11,9 @@ the service classes are loaded on first use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from laminar_common._lazy import lazy_exports
 
 from .version import __version__
 
@@ -37,7 +39,7 @@ __all__ = [
     "order_chain",
 ]
 
-_LAZY = {
+_EXPORTS = {
     "RelayConfig": "config",
     "StoreConfig": "config",
     "DataPlaneConfig": "config",
@@ -51,11 +53,4 @@ _LAZY = {
     "order_chain": "chain",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'laminar_relay' has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(f".{module}", __name__), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
