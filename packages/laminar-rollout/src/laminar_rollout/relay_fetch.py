@@ -8,6 +8,8 @@ the worker releases the relay's reader lease once the engine copied them.
 
 from __future__ import annotations
 
+import warnings
+
 from laminar_common.errors import ProtocolError, TransportError
 from laminar_common.relay.client import FetchedWeights, RelayClient
 from laminar_common.relay.wire import VersionNotFoundError
@@ -55,13 +57,23 @@ def make_relay_fetcher(client: RelayClient, *, with_tensors: bool = True,
         extra = {"wire_bytes": fetched.wire_bytes, "delta": fetched.source == "delta"}
         if not with_tensors:
             return FetchedVersion(fetched.version, None, fetched.release, **extra)
-        # Read-only views of the relay's shared memory: engines copy them into their own
-        # parameters before release() and never write through them.
-        try:
-            tensors = fetched.torch_tensors()
-        except ProtocolError:
-            fetched.release()
-            raise
+        import torch
+
+        views = fetched.tensors()
+        tensors = []
+        for spec in fetched.manifest.tensors:
+            dtype = getattr(torch, spec.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                fetched.release()
+                raise ProtocolError(f"weight v{fetched.version}: tensor {spec.name!r} has "
+                                    f"unknown dtype {spec.dtype!r}")
+            with warnings.catch_warnings():
+                # Read-only views of the relay's shared memory: engines copy them into
+                # their own parameters before release() and never write through them.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(views[spec.name], dtype=dtype) if spec.nbytes else \
+                    torch.empty(0, dtype=dtype)
+            tensors.append((spec.name, flat.reshape(spec.shape)))
         return FetchedVersion(fetched.version, tensors, fetched.release, **extra)
 
     return fetch

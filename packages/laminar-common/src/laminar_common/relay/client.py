@@ -190,37 +190,6 @@ class FetchedWeights:
         """Zero-copy byte views of every tensor, by name (dtype/shape are in the manifest)."""
         return tensor_views(self.manifest, self.buffer)
 
-    def torch_tensors(self) -> list[tuple[str, Any]]:
-        """Every tensor as a torch tensor of its published dtype and shape, in manifest
-        order: read-only views of the buffer (no copy; keep this object alive while they
-        are used, and clone what must outlive it). The one manifest-to-tensors loop: the
-        trainer's ``state_dict_from`` and the rollout's relay fetch both use it. torch is
-        imported here, on use: laminar-common itself never imports it.
-
-        Raises:
-            ProtocolError: a tensor's dtype is not a torch dtype.
-        """
-        import warnings
-
-        import torch
-
-        views = self.tensors()
-        out = []
-        for spec in self.manifest.tensors:
-            dtype = getattr(torch, spec.dtype, None)
-            if not isinstance(dtype, torch.dtype):
-                raise ProtocolError(f"weight v{self.version}: tensor {spec.name!r} has unknown "
-                                    f"dtype {spec.dtype!r}")
-            if spec.nbytes:
-                with warnings.catch_warnings():
-                    # A shared-memory version is mapped read-only; these views are only read.
-                    warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                    flat = torch.frombuffer(views[spec.name], dtype=dtype)
-            else:
-                flat = torch.empty(0, dtype=dtype)
-            out.append((spec.name, flat.reshape(spec.shape)))
-        return out
-
     def release(self) -> None:
         """Give the relay its reader lease back (idempotent)."""
         release, self._release = self._release, None
