@@ -30,6 +30,7 @@ from laminar_common.config import load_config
 from laminar_common.errors import ConfigError
 
 __all__ = [
+    "assert_public_api",
     "clear_laminar_env",
     "option_envvars",
     "assert_names_where",
@@ -266,3 +267,15 @@ def option_envvars(group, prog_name: str, envvar_prefix: str, command_name: str)
     return {p.opts[0]: f"{ctx.auto_envvar_prefix}_{p.name.upper()}"
             for p in ctx.command.params
             if isinstance(p, click.Option) and p.allow_from_autoenv}
+
+
+def assert_public_api(package: str) -> None:
+    """Every name in ``package.__all__`` imports (lazy ones included), none twice, and the
+    package is typed (``py.typed``)."""
+    import importlib
+
+    module = importlib.import_module(package)
+    assert module.__all__ and len(module.__all__) == len(set(module.__all__))
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+    assert (Path(module.__file__).parent / "py.typed").is_file()
