@@ -194,14 +194,32 @@ def _accepted(fn: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]
     return {k: v for k, v in offered.items() if k in params}
 
 
-class _TrlReward:
-    """TRL's batched reward called one sample at a time (see the module docstring)."""
+class _Adapted:
+    """Another framework's reward function called as a Laminar one (a subclass per
+    style): it is handed the keyword arguments it takes, of what the style offers."""
 
-    style = "trl"
+    style = ""
+    label = ""
+    """The framework's name in messages."""
+    default_name = "reward"
 
     def __init__(self, fn: Callable[..., Any], spec: str) -> None:
         self.fn, self.spec = fn, spec
-        self.__name__ = getattr(fn, "__name__", "reward")
+        self.__name__ = getattr(fn, "__name__", self.default_name)
+
+    def _call(self, offered: dict[str, Any]) -> Any:
+        return self.fn(**_accepted(self.fn, offered))
+
+    @property
+    def _what(self) -> str:
+        return f"{self.label}-style reward {self.spec or self.__name__}"
+
+
+class _TrlReward(_Adapted):
+    """TRL's batched reward called one sample at a time (see the module docstring)."""
+
+    style = "trl"
+    label = "TRL"
 
     def __call__(self, prompt: Prompt, completion: str, metadata: Mapping[str, Any]) -> float:
         chat = not isinstance(prompt, str)
@@ -209,26 +227,24 @@ class _TrlReward:
         offered["prompts"] = [list(prompt) if chat else prompt]
         offered["completions"] = [[{"role": "assistant", "content": completion}] if chat
                                   else completion]
-        out = self.fn(**_accepted(self.fn, offered))
+        out = self._call(offered)
         if hasattr(out, "tolist") and not isinstance(out, (str, bytes)):
             out = out.tolist()  # a numpy array or a torch tensor, as some TRL rewards return
         if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != 1:
-            raise TypeError(f"TRL-style reward {self.spec or self.__name__} returned {out!r} "
-                            "for one completion: expected a list of one number")
+            raise TypeError(f"{self._what} returned {out!r} for one completion: expected a "
+                            "list of one number")
         if out[0] is None:
-            raise TypeError(f"TRL-style reward {self.spec or self.__name__} returned [None] "
-                            "(not applicable): Laminar needs a score for every sample")
+            raise TypeError(f"{self._what} returned [None] (not applicable): Laminar needs a "
+                            "score for every sample")
         return float(out[0])
 
 
-class _VerlReward:
+class _VerlReward(_Adapted):
     """verl's ``compute_score`` (see the module docstring)."""
 
     style = "verl"
-
-    def __init__(self, fn: Callable[..., Any], spec: str) -> None:
-        self.fn, self.spec = fn, spec
-        self.__name__ = getattr(fn, "__name__", "compute_score")
+    label = "verl"
+    default_name = "compute_score"
 
     def __call__(self, prompt: Prompt, completion: str, metadata: Mapping[str, Any]) -> float:
         model = metadata.get("reward_model")
@@ -240,11 +256,11 @@ class _VerlReward:
                              "and no answer (data.answer_key)")
         offered = {"data_source": metadata.get("data_source", ""), "solution_str": completion,
                    "ground_truth": truth, "extra_info": metadata.get("extra_info")}
-        out = self.fn(**_accepted(self.fn, offered))
+        out = self._call(offered)
         if isinstance(out, Mapping):
             if "score" not in out:
-                raise TypeError(f"verl-style reward {self.spec or self.__name__} returned a "
-                                f"dict without 'score' (keys {sorted(out)[:8]})")
+                raise TypeError(f"{self._what} returned a dict without 'score' (keys "
+                                f"{sorted(out)[:8]})")
             out = out["score"]
         return float(out)
 
