@@ -16,7 +16,7 @@ from laminar_common.config import LaminarModel, load_config
 from laminar_common.keys import validate_name
 
 __all__ = ["EtcdSpec", "TierSpec", "JobFile", "load_job", "fill_placeholders", "resume_args",
-           "for_resume", "RESUMABLE_COMMANDS"]
+           "for_resume", "saved_state", "RESUMABLE_COMMANDS"]
 
 RESUMABLE_COMMANDS = (("laminar-trainer", "run"), ("laminar-rollout", "manage"))
 """Laminar's tiers that keep state to resume from (checkpoint.dir, state_dir): ``laminar up
@@ -122,22 +122,28 @@ def load_job(path: str | os.PathLike[str], overrides: list[str] = ()) -> JobFile
     return load_config(JobFile, path, overrides, env={})
 
 
+def saved_state(command: tuple[str, ...], config: dict[str, Any]) -> tuple[str, str | None] | None:
+    """Where a Laminar tier keeps what it resumes from, as ``(field, value)``: the trainer's
+    ``checkpoint.dir``, the manager's ``state_dir`` (value None: unset); None for any other
+    command."""
+    command = tuple(command[:2])
+    if command == RESUMABLE_COMMANDS[0]:
+        return "checkpoint.dir", (config.get("checkpoint") or {}).get("dir")
+    if command == RESUMABLE_COMMANDS[1]:
+        return "state_dir", config.get("state_dir")
+    return None
+
+
 def resume_args(spec: TierSpec) -> tuple[str, ...]:
     """The arguments that make ``spec``'s tier resume: its ``restart_args`` where the job
     gives them, else ``--resume`` for Laminar's trainer with a ``checkpoint.dir`` and
     manager with a ``state_dir`` (as the job's config gives them), else none."""
     if spec.restart_args:
         return tuple(spec.restart_args)
-    command = tuple(spec.command[:2])
-    if command == RESUMABLE_COMMANDS[0]:  # the trainer: from checkpoint.dir
-        saves = (spec.config.get("checkpoint") or {}).get("dir")
-    elif command == RESUMABLE_COMMANDS[1]:  # the manager: from state_dir
-        saves = spec.config.get("state_dir")
-    else:
-        return ()
+    saved = saved_state(spec.command, spec.config)
     # A tier that saves nothing has nothing to resume from (a manager refuses --resume
     # without state_dir): it starts afresh, as before.
-    return ("--resume",) if saves else ()
+    return ("--resume",) if saved is not None and saved[1] else ()
 
 
 def for_resume(job: JobFile) -> JobFile:

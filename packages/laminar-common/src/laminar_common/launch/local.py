@@ -73,7 +73,7 @@ from laminar_common.errors import ConfigError, LaminarError
 from laminar_common.launch import preflight
 from laminar_common.launch.databudget import check_data_budget
 from laminar_common.launch.hosts import check_auth, is_laminar_tier, spanning_reasons
-from laminar_common.launch.jobfile import RESUMABLE_COMMANDS, JobFile, TierSpec, fill_placeholders
+from laminar_common.launch.jobfile import JobFile, TierSpec, fill_placeholders, saved_state
 from laminar_common.launch.layout import apply_layout, usable_cores
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.launch.processes import ChildProcess, tier_env
@@ -404,17 +404,15 @@ class LocalLauncher:
             ConfigError: a new start (no ``--resume`` or ``--fresh``) over checkpoints.
         """
         for tier, spec in self.job.tiers.items():
-            if tuple(spec.command[:2]) not in RESUMABLE_COMMANDS:
+            saved = saved_state(spec.command, self._replica(tier, spec, 0)[2])
+            if saved is None:
                 continue
-            _, _, config = self._replica(tier, spec, 0)
-            trainer = tuple(spec.command[:2]) == RESUMABLE_COMMANDS[0]
-            where = (config.get("checkpoint") or {}).get("dir") if trainer \
-                else config.get("state_dir")
-            found = _saved_state(Path(where), trainer) if where else None
+            field, where = saved
+            trainer = field == "checkpoint.dir"
+            found = _resume_source(Path(where), trainer) if where else None
             if self.start == "resume":
                 self._say(f"--resume: {tier} goes on from {found}" if found else
-                          f"--resume: {tier} has nothing to resume from "
-                          f"({'checkpoint.dir' if trainer else 'state_dir'} "
+                          f"--resume: {tier} has nothing to resume from ({field} "
                           f"{where or 'unset'}): it starts fresh")
             elif found and trainer and self.start == "new":
                 raise ConfigError(
@@ -629,7 +627,7 @@ class LocalLauncher:
                               "none (pip install matplotlib to plot)"))
 
 
-def _saved_state(where: Path, trainer: bool) -> str | None:
+def _resume_source(where: Path, trainer: bool) -> str | None:
     """The checkpoint (trainer) or ledger state (manager) a resume would read, or None."""
     if not trainer:
         path = where / "manager_state.json"
