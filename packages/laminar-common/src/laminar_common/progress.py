@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TextIO
 
-__all__ = ["ProgressLines"]
+__all__ = ["ProgressLines", "format_clock"]
 
 
 class ProgressLines:
@@ -37,12 +37,13 @@ class ProgressLines:
         eta = elapsed / done * (self.total - done) if done > 0 else 0.0
         pct = f" ({done / self.total:.0%})" if self.total else ""
         extra = "".join(f" {k} {v:.3f}" for k, v in figures.items())
-        print(f"{self.label}: step {done}/{self.total}{pct}{extra} | {_clock(elapsed)} "
-              f"elapsed, ETA {_clock(eta)}", file=self.stream or sys.stdout, flush=True)
+        print(f"{self.label}: step {done}/{self.total}{pct}{extra} | {format_clock(elapsed)} "
+              f"elapsed, ETA {format_clock(eta)}", file=self.stream or sys.stdout, flush=True)
         return True
 
 
-def _clock(seconds: float) -> str:
+def format_clock(seconds: float) -> str:
+    """``1:02:03`` / ``2:03`` for a console line."""
     seconds = max(0, int(round(seconds)))
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)

@@ -12,20 +12,13 @@ from collections.abc import Sequence
 
 from laminar_common.codec import Trajectory
 from laminar_common.errors import LaminarError
+from laminar_common.progress import format_clock as clock
 
 __all__ = ["WAIT_REASON_EVERY_S", "step_line", "why_waiting", "nothing_more_coming",
            "check_rewards", "clock"]
 
 WAIT_REASON_EVERY_S = 15.0
 """A starved trainer says why it waits (console, ``laminar status``) this often."""
-
-
-def clock(seconds: float) -> str:
-    """``1:02:03`` / ``2:03`` for a console line."""
-    seconds = max(0, int(round(seconds)))
-    h, rest = divmod(seconds, 3600)
-    m, sec = divmod(rest, 60)
-    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 def step_line(step: int, version: int, total: int, reward_mean: float, metrics: dict,

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar_common.errors import ConfigError
+from laminar_common.launch.jobfile import RESUMABLE_COMMANDS
 
 __all__ = ["Budget", "data_budget", "check_data_budget"]
 
-MANAGER = ("laminar-rollout", "manage")
-TRAINER = ("laminar-trainer", "run")
+TRAINER, MANAGER = RESUMABLE_COMMANDS
 
 
 @dataclass(frozen=True)
