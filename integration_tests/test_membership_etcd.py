@@ -14,6 +14,7 @@ from laminar_common.errors import CoordinationError
 from laminar_common.etcd import EtcdCoordinator
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.membership import MemberRecord, VersionRecord
+from laminar_common.testing import check_election_fencing
 from laminar_common.transport import ZmqPushSender
 
 TTL = 2
@@ -122,6 +123,10 @@ def test_election_fails_over_when_owner_lease_ends(etcd):
     b.resign("relay-master")
     assert b.leader("relay-master") is None
     b.close()
+
+
+def test_an_election_is_held_by_the_process_that_won_it_and_fences_publishing(etcd):
+    check_election_fencing(lambda: EtcdCoordinator([etcd.endpoint], "fence", ttl_s=TTL))
 
 
 def test_watch_converges_across_compaction(etcd):

@@ -9,6 +9,7 @@ from laminar_common.membership import (
     MemberRecord,
     VersionRecord,
 )
+from laminar_common.testing import check_election_fencing
 
 
 class FakeClock:
@@ -76,6 +77,11 @@ def test_election_bound_to_lease(store):
     assert b.campaign("master", "b")
     b.resign("master")
     assert b.leader("master") is None
+
+
+def test_an_election_is_held_by_the_process_that_won_it_and_fences_publishing():
+    store = InMemoryEtcd()
+    check_election_fencing(lambda: InMemoryCoordinator(store, "job", keepalive=False))
 
 
 def test_campaign_needs_registration(store):

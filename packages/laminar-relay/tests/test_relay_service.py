@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
+import pytest
 from relay_helpers import tensors_for, wait_for
 
-from laminar_common.relay.wire import VersionNotFoundError
-from laminar_relay.service import RelayService
+from laminar_common.relay.manifests import build_manifest
+from laminar_common.relay.wire import NotMasterError, VersionNotFoundError
+from laminar_relay.service import RelayService, _refuses
 
 
 def holders(relays, version):
@@ -65,6 +69,76 @@ def test_master_failover_and_the_client_re_resolves(make_relay, make_client):
     assert result.master_id == new_master.member_id
     wait_for(lambda: holders(live, 2) == ["r1", "r2"])
     assert_everyone_has(client, live, 2)
+
+
+def _sigkill(relay: RelayService) -> None:
+    """What a SIGKILL leaves: the process's ports close, its lease stays until it expires
+    (3,600 s in these tests: only a takeover that does not wait for it can pass)."""
+    relay.coordinator.crash()
+    relay.close("simulated SIGKILL")
+
+
+def test_a_dead_master_is_replaced_at_once_not_after_its_lease(make_relay, make_client):
+    relays = [make_relay(f"r{i}") for i in range(3)]
+    wait_for(lambda: all(len(r.chain) == 3 for r in relays))
+    client = make_client(failover_wait_s=60.0)
+    client.publish(1, tensors_for(1))
+    wait_for(lambda: holders(relays, 1) == ["r0", "r1", "r2"])
+    assert [r.takeovers for r in relays] == [0, 0, 0], "a live master was evicted"
+    t0 = time.monotonic()
+    _sigkill(relays[0])
+    live = relays[1:]
+    new_master = wait_for(lambda: next((r for r in live if r.is_master), None), timeout_s=5)
+    took = time.monotonic() - t0
+    # Only the relay after the master in the chain checks it and revokes its lease; then
+    # every relay campaigns, as at a lease's expiry.
+    assert [r.takeovers for r in live] == [1, 0] and took < 3.0, took
+    result = client.publish(2, tensors_for(2))
+    assert result.master_id == new_master.member_id and time.monotonic() - t0 < 10.0
+    wait_for(lambda: holders(live, 2) == ["r1", "r2"])
+    assert_everyone_has(client, live, 2)
+
+
+def test_a_relay_restarted_under_its_id_takes_the_master_election_back(make_relay, make_client):
+    first = make_relay("r0")
+    wait_for(lambda: first.is_master)
+    client = make_client(failover_wait_s=60.0)
+    client.publish(1, tensors_for(1))
+    _sigkill(first)
+    again = make_relay("r0")  # the same member id, a new process (and port)
+    wait_for(lambda: again.is_master, timeout_s=5)
+    assert again.takeovers == 1
+    # The client does not hold the new process suspect for the old one's failure.
+    t0 = time.monotonic()
+    result = client.publish(2, tensors_for(2))
+    assert result.master_id == "r0" and time.monotonic() - t0 < 10.0
+    assert again.store.versions() == [2] and client.latest().version == 2
+
+
+def test_a_master_that_lost_the_election_cannot_make_a_version_visible(etcd, make_relay,
+                                                                       make_client):
+    old, standby = make_relay("r0"), make_relay("r1")
+    wait_for(lambda: old.is_master and standby.chain == ["r0", "r1"])
+    # r0's lease runs out (a pause past the TTL, as etcd sees it) and r1 wins; r0 has not
+    # looked yet when its commit comes.
+    old.coordinator.crash()
+    etcd.expire_lease(old.coordinator.lease)
+    wait_for(lambda: standby.is_master)
+    manifest = build_manifest(5, tensors_for(5))[0]
+    with pytest.raises(NotMasterError, match="no longer the master"):
+        old._make_visible(manifest)
+    latest = make_client().latest()
+    assert latest is None or latest.version != 5
+
+
+def test_refused_means_nothing_listens_there():
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        assert not _refuses(address)
+    assert _refuses(address)  # closed now
+    assert not _refuses("not-a-host.invalid:1") and not _refuses("no-port")
 
 
 def test_chain_is_rebuilt_around_a_dead_relay(make_relay, make_client):

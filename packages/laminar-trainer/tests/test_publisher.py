@@ -91,3 +91,36 @@ def test_without_find_master_a_publisher_sends_at_once():
     assert publisher.wait_idle(timeout_s=10)
     assert sent == [3] and publisher.stats.published == 1
     publisher.close(timeout_s=1)
+
+
+def test_a_version_that_cannot_reach_the_master_gives_way_to_a_newer_one(caplog):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: the master's process is gone
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    store = InMemoryEtcd()
+    relay = InMemoryCoordinator(store, "j")
+    relay.register(MemberRecord(member_id="relay-0", role=RELAY_ROLE, address=dead))
+    assert relay.campaign(MASTER_ELECTION, "relay-0")
+    client = RelayClient(InMemoryCoordinator(store, "j"), client_id="trainer",
+                         publish_timeout_s=1.5, failover_wait_s=0.2, rpc_timeout_s=0.5)
+    holder: list[WeightPublisher] = []
+    publisher = WeightPublisher(
+        lambda version, tensors, step: client.publish(
+            version, tensors, trainer_step=step, superseded=holder[0].has_newer),
+        find_master=client.master, poll_s=0.01)
+    holder.append(publisher)
+    with caplog.at_level(logging.WARNING, logger="laminar_trainer.publisher"):
+        publisher.submit(_snapshot(1))
+        assert _wait_until(lambda: publisher._busy, 5)
+        time.sleep(0.3)  # v1's first attempts fail: connection refused
+        publisher.submit(_snapshot(2))
+        assert publisher.wait_idle(timeout_s=20)
+    assert publisher.stats.superseded == 1, publisher.stats
+    assert publisher.stats.failed == 1 and publisher.stats.published == 0  # v2: no master
+    assert any("weights v1 not published, a newer version goes instead" in r.getMessage()
+               for r in caplog.records)
+    publisher.close(timeout_s=1)
+    client.close()
+    relay.close()

@@ -12,7 +12,9 @@ __all__ = [
     "ConfigError",
     "ProtocolError",
     "CoordinationError",
+    "FencedError",
     "TransportError",
+    "PublishSuperseded",
     "EtcdUnavailableError",
     "EngineError",
     "EngineWedgedError",
@@ -46,6 +48,11 @@ class CoordinationError(LaminarError):
     """etcd refused an operation (lost a compare-and-swap, lease expired...)."""
 
 
+class FencedError(CoordinationError):
+    """A write fenced by an election was refused: this member no longer holds it (its
+    lease expired or was revoked, and another member may have won since)."""
+
+
 class EtcdUnavailableError(CoordinationError):
     """etcd could not be reached (after the bounded retries, if any)."""
 
@@ -65,3 +72,8 @@ class EngineWedgedError(EngineError):
     the worker leaves the job (its unfinished work is dispatched elsewhere) and exits
     non-zero, and its supervisor starts it again, which registers afresh.
     """
+
+
+class PublishSuperseded(TransportError):
+    """A weight publish was given up between attempts because a newer version waits to
+    go: after a master relay failover only the newest weights are worth sending."""

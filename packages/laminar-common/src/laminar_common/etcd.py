@@ -41,7 +41,7 @@ from pyetcd import exceptions as etcd_exc
 
 from laminar_common.codec import PROTOCOL_VERSION
 from laminar_common.config import check_etcd_tls
-from laminar_common.errors import ConfigError, CoordinationError, EtcdUnavailableError
+from laminar_common.errors import ConfigError, CoordinationError, EtcdUnavailableError, FencedError
 from laminar_common.keys import JobKeys
 from laminar_common.membership import (
     Coordinator,
@@ -145,6 +145,9 @@ class EtcdCoordinator(Coordinator):
         self._record: MemberRecord | None = None
         self._lease_id: int | None = None
         self._elections: dict[str, str] = {}
+        self._fences: dict[str, int] = {}
+        """Election -> the create revision of the key this process won (its fencing
+        token: a key deleted and won again, even by the same member id, has another)."""
         self._keepalive: threading.Thread | None = None
         self._watches: list[WatchHandle] = []
         self.reregistrations = 0
@@ -348,8 +351,15 @@ class EtcdCoordinator(Coordinator):
         raw, _ = self._call("get latest", lambda c: c.get(key))
         return None if raw is None else decode_version(raw, key)
 
-    def publish_version(self, record: VersionRecord) -> None:
+    def publish_version(self, record: VersionRecord, fence: str | None = None) -> None:
         key = self.keys.weights_latest()
+        fenced = None
+        if fence is not None:
+            token = self._fences.get(fence)
+            if token is None or fence not in self._elections:
+                raise FencedError(f"this member does not hold the {fence!r} election (any "
+                                  f"more): now {self.leader(fence) or 'nobody'}")
+            fenced = (self.keys.election(fence), token)
         raw, meta = self._call("get latest", lambda c: c.get(key))
         if raw is not None:
             current = decode_version(raw, key)
@@ -363,8 +373,11 @@ class EtcdCoordinator(Coordinator):
             cmp = c.transactions.create(key) == 0 if raw is None else (
                 c.transactions.mod(key) == meta.mod_revision
             )
+            compare = [cmp]
+            if fenced is not None:
+                compare.append(c.transactions.create(fenced[0]) == fenced[1])
             return c.transaction(
-                compare=[cmp],
+                compare=compare,
                 success=[
                     c.transactions.put(key, encode_record(record)),
                     c.transactions.put(self.keys.weights_version(record.version), encode_record(record)),
@@ -373,6 +386,13 @@ class EtcdCoordinator(Coordinator):
             )
 
         ok, _ = self._call("publish version", txn)
+        if not ok and fenced is not None:
+            _, held = self._call("get leader", lambda c: c.get(fenced[0]))
+            if held is None or held.create_revision != fenced[1]:
+                self._elections.pop(fence, None)
+                raise FencedError(f"this member lost the {fence!r} election before weight "
+                                  f"version {record.version} became visible: now "
+                                  f"{self.leader(fence) or 'nobody'}")
         if not ok:
             raise CoordinationError(
                 f"lost the compare-and-swap publishing weight version {record.version}: "
@@ -395,7 +415,10 @@ class EtcdCoordinator(Coordinator):
         lease_id = self._lease_id
         self._call("campaign", lambda c: c.put_if_not_exists(key, value, lease=lease_id))
         raw, meta = self._call("get leader", lambda c: c.get(key))
-        return raw is not None and meta.lease_id == lease_id
+        won = raw is not None and meta.lease_id == lease_id
+        if won:
+            self._fences[name] = meta.create_revision
+        return won
 
     def campaign(self, name: str, value: str) -> bool:
         with self._state_lock:
@@ -410,6 +433,27 @@ class EtcdCoordinator(Coordinator):
         key = self.keys.election(name)
         raw, _ = self._call("get leader", lambda c: c.get(key))
         return None if raw is None else decode_leader(raw, key)
+
+    def owns(self, name: str) -> bool:
+        return name in self._elections and name in self._fences
+
+    def evict_leader(self, name: str, holder: str) -> bool:
+        key = self.keys.election(name)
+        raw, meta = self._call("get leader", lambda c: c.get(key))
+        if raw is None or raw.decode(errors="replace") != holder or not meta.lease_id \
+                or meta.lease_id == self._lease_id:
+            return False
+
+        def revoke(c) -> bool:
+            try:
+                c.revoke_lease(meta.lease_id)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return False  # gone already (expired, or another member revoked it)
+                raise
+            return True
+
+        return bool(self._call("revoke lease", revoke))
 
     def resign(self, name: str) -> None:
         with self._state_lock:

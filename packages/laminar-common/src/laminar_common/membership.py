@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import msgspec
 
 from laminar_common.codec import PROTOCOL_VERSION
-from laminar_common.errors import CoordinationError, ProtocolError
+from laminar_common.errors import CoordinationError, FencedError, ProtocolError
 from laminar_common.keys import JobKeys
 from laminar_common.net import host_identity
 
@@ -198,10 +198,17 @@ class Coordinator(abc.ABC):
         """The latest complete weight version, or ``None`` before the first."""
 
     @abc.abstractmethod
-    def publish_version(self, record: VersionRecord) -> None:
+    def publish_version(self, record: VersionRecord, fence: str | None = None) -> None:
         """Move ``weights/latest`` forward to ``record`` (compare-and-swap).
 
+        Args:
+            fence: an election this member must still hold, checked in the same
+                transaction (the very key it won, not an equal value: a later holder
+                of the same member id does not pass). A paused or partitioned master
+                whose lease expired cannot make a version visible.
+
         Raises:
+            FencedError: this member does not hold ``fence`` (any more).
             CoordinationError: ``record.version`` is not greater than the current.
         """
 
@@ -219,6 +226,22 @@ class Coordinator(abc.ABC):
 
         Raises:
             CoordinationError: the stored value is not a member id (not UTF-8).
+        """
+
+    @abc.abstractmethod
+    def owns(self, name: str) -> bool:
+        """Whether this member won ``name`` and has not lost it as far as it knows (a
+        previous process with the same member id never counts)."""
+
+    @abc.abstractmethod
+    def evict_leader(self, name: str, holder: str) -> bool:
+        """Revoke the lease of the member holding ``name`` if its value is ``holder``
+        (never this member's own lease): its records and elections vanish at once, as
+        at its lease's expiry. Only for a holder known to be dead (its port refuses
+        connections, or it is this member's own previous process).
+
+        Returns:
+            True if a lease was revoked.
         """
 
     @abc.abstractmethod
@@ -356,11 +379,14 @@ class InMemoryCoordinator(Coordinator):
         self.ttl_s = ttl_s
         self.lease: int | None = None
         self._record: MemberRecord | None = None
+        self._fences: dict[str, int] = {}
+        """Election -> the lease it was won under (the fencing token)."""
         self._watches: list[WatchHandle] = []
         # Like the etcd coordinator, refresh the lease from a thread until close()
         # or crash(); tests that drive a fake clock turn it off.
         self._keepalive = keepalive
         self._stop_keepalive = threading.Event()
+        self._crashed = False
 
     def register(self, record: MemberRecord) -> None:
         proto_key = self.keys.protocol()
@@ -379,8 +405,10 @@ class InMemoryCoordinator(Coordinator):
                 return
 
     def crash(self) -> None:
-        """Stop refreshing without revoking (a SIGKILL, as the store sees it)."""
+        """Stop refreshing without revoking (a SIGKILL, as the store sees it): the
+        lease stays until it expires, and a later :meth:`close` does not revoke it."""
         self._stop_keepalive.set()
+        self._crashed = True
 
     def update_record(self, record: MemberRecord) -> None:
         assert self._record is not None and self.lease is not None, "register() first"
@@ -412,8 +440,21 @@ class InMemoryCoordinator(Coordinator):
         raw = self.store.get(self.keys.weights_latest())
         return None if raw is None else decode_version(raw, self.keys.weights_latest())
 
-    def publish_version(self, record: VersionRecord) -> None:
+    def publish_version(self, record: VersionRecord, fence: str | None = None) -> None:
         key = self.keys.weights_latest()
+        with self.store._lock:
+            if fence is not None:
+                self._check_fence(fence)
+            self._publish_locked(key, record)
+
+    def _check_fence(self, name: str) -> None:
+        held = self.store._data.get(self.keys.election(name))
+        token = self._fences.get(name)
+        if token is None or held is None or held[1] != token:
+            raise FencedError(f"this member does not hold the {name!r} election (any more): "
+                              f"now {held[0].decode() if held else 'nobody'}")
+
+    def _publish_locked(self, key: str, record: VersionRecord) -> None:
         current_raw = self.store.get(key)
         current = None if current_raw is None else decode_version(current_raw, key)
         if current is not None and record.version <= current.version:
@@ -445,8 +486,26 @@ class InMemoryCoordinator(Coordinator):
         if self.lease is None:
             raise CoordinationError("register() before campaigning")
         key = self.keys.election(name)
-        self.store.put_if(key, value.encode(), None, self.lease)
-        return self.store.get(key) == value.encode()
+        with self.store._lock:
+            self.store.put_if(key, value.encode(), None, self.lease)
+            held = self.store._data.get(key)
+            won = held is not None and held[1] == self.lease
+            if won:
+                self._fences[name] = self.lease
+            return won
+
+    def owns(self, name: str) -> bool:
+        token = self._fences.get(name)
+        return token is not None and token == self.lease
+
+    def evict_leader(self, name: str, holder: str) -> bool:
+        with self.store._lock:
+            held = self.store._data.get(self.keys.election(name))
+            if held is None or held[0] != holder.encode() or held[1] is None \
+                    or held[1] == self.lease:
+                return False
+            self.store.expire_lease(held[1])
+            return True
 
     def leader(self, name: str) -> str | None:
         key = self.keys.election(name)
@@ -475,6 +534,6 @@ class InMemoryCoordinator(Coordinator):
         self._stop_keepalive.set()
         for handle in self._watches:
             handle.cancel()
-        if self.lease is not None:
+        if self.lease is not None and not self._crashed:
             self.store.expire_lease(self.lease)
             self.lease = None

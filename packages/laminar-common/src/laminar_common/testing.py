@@ -279,3 +279,44 @@ def assert_public_api(package: str) -> None:
     for name in module.__all__:
         assert getattr(module, name) is not None, name
     assert (Path(module.__file__).parent / "py.typed").is_file()
+
+
+def check_election_fencing(make: Callable[[], Any]) -> None:
+    """The fencing contract every :class:`~laminar_common.membership.Coordinator` keeps
+    (the etcd one and the in-memory twin run it): an election is held by the process
+    that won it, not by its member id; only that process may publish a version fenced by
+    it; a dead holder's lease can be revoked by value, never one's own.
+
+    Args:
+        make: returns a new, unregistered coordinator of one job each call.
+    """
+    from laminar_common.errors import FencedError
+    from laminar_common.membership import MemberRecord, VersionRecord
+
+    first, other = make(), make()
+    first.register(MemberRecord(member_id="a", role="relay"))
+    other.register(MemberRecord(member_id="b", role="relay"))
+    assert first.campaign("master", "a") and first.owns("master")
+    first.publish_version(VersionRecord(version=1), fence="master")
+    assert not other.owns("master") and not other.evict_leader("master", "b")
+    try:
+        other.publish_version(VersionRecord(version=2), fence="master")
+        raise AssertionError("a member that never won the election published under it")
+    except FencedError:
+        pass
+    # The same member id, another process (a restart): not the holder.
+    again = make()
+    again.register(MemberRecord(member_id="a", role="relay"))
+    assert again.leader("master") == "a" and not again.owns("master")
+    assert again.evict_leader("master", "a"), "the earlier process's lease was not revoked"
+    assert again.leader("master") is None and not again.evict_leader("master", "a")
+    try:
+        first.publish_version(VersionRecord(version=2), fence="master")
+        raise AssertionError("a holder whose lease was revoked made a version visible")
+    except FencedError:
+        pass
+    assert again.campaign("master", "a") and not again.evict_leader("master", "a")
+    again.publish_version(VersionRecord(version=2), fence="master")
+    assert other.latest_version().version == 2
+    for coordinator in (first, other, again):
+        coordinator.close()

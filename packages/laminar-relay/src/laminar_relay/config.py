@@ -93,6 +93,11 @@ class ChainConfig(LaminarModel):
     """An open publish session with no traffic for this long is dropped."""
     control_interval_s: float | None = Field(default=None, gt=0)
     """How often to re-check the election and the chain (default: TTL / 3)."""
+    master_probe_interval_s: float = Field(default=0.2, ge=0)
+    """How often the relay next to the master in the chain checks that the master's port
+    still accepts connections. A port that refuses them means the master's process is
+    gone: this relay revokes its lease and takes over at once instead of waiting for the
+    lease to expire (a paused or cut-off master still fails over by lease). 0: off."""
 
 
 class RelayConfig(ListenConfig):

@@ -9,8 +9,18 @@ membership to rebuild the chain.
 Behaviour:
 
 - Every relay campaigns for ``relay-master`` whenever nobody holds it; the
-  election key is bound to the winner's lease, so when the master dies another
-  relay wins within about one TTL. Publishers re-resolve the master.
+  election key is bound to the winner's lease. Publishers re-resolve the master.
+- A master whose process is gone fails over at once: the relay after it in the
+  chain checks every ``master_probe_interval_s`` that the master's gRPC port
+  accepts connections; a refused connection (the port is closed, so the
+  process is dead, not paused or cut off) makes it revoke the master's lease
+  and campaign. A relay restarted under its old member id takes the election
+  back from its dead predecessor the same way. A paused or partitioned master
+  (timeouts, not refusals) loses the election when its lease expires, about
+  one TTL.
+- Fencing: the master makes a version visible in etcd only while it still
+  holds the very election key it won (one transaction), so an old master that
+  wakes or reconnects after losing it cannot publish a version twice.
 - The chain is recomputed on every membership change (and every
   ``control_interval_s``): a relay whose lease expired drops out and its
   neighbours are joined; the new downstream is offered the newest version.
@@ -38,6 +48,7 @@ from laminar_common.codec import PROTOCOL_VERSION, WeightManifest
 from laminar_common.errors import (
     CoordinationError,
     EtcdUnavailableError,
+    FencedError,
     LaminarError,
     TransportError,
 )
@@ -52,6 +63,7 @@ from laminar_common.relay.wire import (
     GRPC_OPTIONS,
     MASTER_ELECTION,
     RELAY_ROLE,
+    NotMasterError,
     VersionConflictError,
 )
 from laminar_common.roles import Extra
@@ -71,6 +83,20 @@ log = logging.getLogger(__name__)
 # No SO_REUSEPORT: a second relay given the same port must fail to bind, not share it.
 _SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
 _LOG_FIRST = 20
+
+
+def _refuses(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether ``host:port`` actively refuses a TCP connection (nothing listens there).
+    A timeout or an unreachable host is not a refusal: a paused or cut-off process looks
+    like that, and only its lease may decide it is gone."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def default_member_id() -> str:
@@ -102,6 +128,8 @@ class RelayService(Service):
         reader_lease_s: reader lease TTL.
         max_fetch_wait_s: cap on a fetch's wait for a version still arriving.
         control_interval_s: period of the election/chain check.
+        master_probe_interval_s: period of the check that the master's port accepts
+            connections (by the relay after it in the chain; 0: off).
         rpc_timeout_s: deadline of calls to other relays.
     """
 
@@ -130,6 +158,7 @@ class RelayService(Service):
         reader_lease_s: float = 300.0,
         max_fetch_wait_s: float = 120.0,
         control_interval_s: float = 1.0,
+        master_probe_interval_s: float = 0.2,
         rpc_timeout_s: float = 10.0,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
@@ -170,6 +199,9 @@ class RelayService(Service):
         self._reader_lease_s = reader_lease_s
         self._max_fetch_wait_s = max_fetch_wait_s
         self._control_interval_s = control_interval_s
+        self._master_probe_interval_s = master_probe_interval_s
+        self.takeovers = 0
+        """Times this relay revoked a dead master's lease to take over."""
         self._rpc_timeout_s = rpc_timeout_s
         self.address = ""
         self.data_endpoint = ""
@@ -177,6 +209,7 @@ class RelayService(Service):
         self.master_id: str | None = None
         self.chain: list[str] = []
         self.upstream_id = ""
+        self._master_address = ""
         self._wake = threading.Event()
         self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
         self._channels_lock = threading.Lock()
@@ -280,6 +313,8 @@ class RelayService(Service):
         )
         self._refresh()
         self.spawn(self._control_loop, "control")
+        if self._master_probe_interval_s > 0:
+            self.spawn(self._probe_loop, "master-probe")
 
     def _close(self) -> None:
         # Revoking the lease removes this relay's record and, if it is the master,
@@ -326,6 +361,14 @@ class RelayService(Service):
 
     def _refresh(self) -> None:
         leader = self.coordinator.leader(MASTER_ELECTION)
+        if leader == self.member_id and not self.coordinator.owns(MASTER_ELECTION):
+            # An earlier process of this relay (same member id, now dead: this one
+            # replaced its record) still holds the election under its lease.
+            if self.coordinator.evict_leader(MASTER_ELECTION, leader):
+                self.takeovers += 1
+                log.warning("relay %s: the master election was held by an earlier process "
+                            "of this relay; revoked its lease", self.member_id)
+            leader = self.coordinator.leader(MASTER_ELECTION)
         if leader is None and self.coordinator.registered:
             if self.coordinator.campaign(MASTER_ELECTION, self.member_id):
                 log.info("relay %s won the master election", self.member_id)
@@ -335,7 +378,7 @@ class RelayService(Service):
         upstream, downstream = neighbours(chain, self.member_id)
         was_master = self.is_master
         self.master_id = leader
-        self.is_master = leader == self.member_id
+        self.is_master = leader == self.member_id and self.coordinator.owns(MASTER_ELECTION)
         if self.is_master != was_master:
             log.info(
                 "relay %s is %s the master",
@@ -347,13 +390,40 @@ class RelayService(Service):
             log.info("chain: %s", " -> ".join(ids) or "(empty)")
         self.chain = ids
         self.upstream_id = upstream.member_id if upstream else ""
+        self._master_address = next((m.address for m in chain if m.member_id == leader), "")
         assert self.forwarder is not None
         self.forwarder.set_downstream(downstream)
+
+    def _probe_loop(self) -> None:
+        """The relay after the master in the chain: a master port that refuses
+        connections is a dead master; revoke its lease and take over now."""
+        while not self.stopping.wait(self._master_probe_interval_s):
+            master, upstream, address = self.master_id, self.upstream_id, self._master_address
+            if self.is_master or not master or upstream != master or not address:
+                continue
+            if not _refuses(address) or not _refuses(address):  # a second look
+                continue
+            try:
+                revoked = self.coordinator.evict_leader(MASTER_ELECTION, master)
+            except LaminarError as exc:
+                log.warning("relay %s: master %s refuses connections at %s but its lease "
+                            "could not be revoked (%s); waiting for it to expire",
+                            self.member_id, master, address, exc)
+                continue
+            if revoked:
+                self.takeovers += 1
+                log.warning("relay %s: master %s refuses connections at %s (its process is "
+                            "gone): revoked its lease to take over without waiting for it "
+                            "to expire", self.member_id, master, address)
+            self._wake.set()
 
     # -- hooks for the servicer ----------------------------------------------
 
     def _current_master(self) -> str | None:
-        return self.coordinator.leader(MASTER_ELECTION)
+        leader = self.coordinator.leader(MASTER_ELECTION)
+        if leader == self.member_id and not self.coordinator.owns(MASTER_ELECTION):
+            return f"{leader} (an earlier process of this relay)"
+        return leader
 
     def _latest_published(self) -> int:
         record = self.coordinator.latest_version()
@@ -367,7 +437,12 @@ class RelayService(Service):
             trainer_step=manifest.trainer_step,
         )
         try:
-            self.coordinator.publish_version(record)
+            self.coordinator.publish_version(record, fence=MASTER_ELECTION)
+        except FencedError as exc:
+            self._wake.set()
+            raise NotMasterError(f"relay {self.member_id} is no longer the master, weight "
+                                 f"version {manifest.version} was not made visible: {exc}; "
+                                 "re-resolve the master and retry") from exc
         except EtcdUnavailableError:
             raise
         except CoordinationError as exc:
@@ -522,6 +597,7 @@ def make_relay_service(config: RelayConfig, coordinator: Coordinator | None = No
         reader_lease_s=config.store.reader_lease_s,
         max_fetch_wait_s=config.max_fetch_wait_s,
         control_interval_s=config.chain.control_interval_s or max(0.2, config.etcd.ttl_s / 3),
+        master_probe_interval_s=config.chain.master_probe_interval_s,
         metrics_port=config.metrics.port,
         metrics_host=config.metrics.host,
         tls_server=TlsFiles.server_from_dir(config.auth.dir) if config.auth.dir else None,

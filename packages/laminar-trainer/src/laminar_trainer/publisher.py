@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from laminar_common.errors import LaminarError
+from laminar_common.errors import LaminarError, PublishSuperseded
 
 __all__ = ["WeightPublisher", "Snapshot", "snapshot_model", "snapshot_state", "torch_dtype_name"]
 
@@ -83,6 +83,8 @@ def snapshot_state(state: dict[str, torch.Tensor], version: int, step: int,
 class PublishStats:
     published: int = 0
     coalesced: int = 0
+    superseded: int = 0
+    """Versions given up after a failed send because a newer one was waiting."""
     failed: int = 0
     last_version: int = -1
     stall_s: list[float] = field(default_factory=list)
@@ -135,6 +137,11 @@ class WeightPublisher:
         self.stats.stall_s.append(stall)
         return stall
 
+    def has_newer(self) -> bool:
+        """A newer snapshot waits behind the one being sent (a send that keeps failing
+        may give its version up for it: ``RelayClient.publish(superseded=...)``)."""
+        return self._pending is not None
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -155,6 +162,10 @@ class WeightPublisher:
                 self.stats.send_s.append(time.perf_counter() - t0)
                 log.info("published weights v%d (%.1f MB) in %.3fs", snap.version,
                          snap.nbytes / 1e6, time.perf_counter() - t0)
+            except PublishSuperseded as exc:
+                self.stats.superseded += 1
+                log.warning("weights v%d not published, a newer version goes instead: %s",
+                            snap.version, exc)
             except Exception:  # top of a long-lived loop: keep training, log the failure
                 self.stats.failed += 1
                 log.exception("publishing weights v%d failed", snap.version)

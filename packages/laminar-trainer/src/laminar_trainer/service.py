@@ -234,7 +234,8 @@ class TrainerService(Service):
                                  delta_full_every=cfg.publish_delta_full_every)
             find_master = client.master
             self.publish_fn = lambda version, tensors, step: client.publish(
-                version, tensors, trainer_step=step)
+                version, tensors, trainer_step=step,
+                superseded=lambda: self.publisher is not None and self.publisher.has_newer())
         self.publisher = WeightPublisher(
             self.publish_fn, find_master=find_master, stop=self.stopping,
             waiting_for=f"job {cfg.job!r} (etcd {', '.join(cfg.etcd.endpoints)})")

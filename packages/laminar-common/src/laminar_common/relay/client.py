@@ -58,6 +58,7 @@ from laminar_common.errors import (
     EtcdUnavailableError,
     LaminarError,
     ProtocolError,
+    PublishSuperseded,
     TransportError,
 )
 from laminar_common.membership import Coordinator, VersionRecord
@@ -95,7 +96,8 @@ from laminar_common.relay.wire import (
     protocol_metadata,
 )
 
-__all__ = ["RelayClient", "PublishResult", "FetchedWeights", "RelayHealth", "RelayRef"]
+__all__ = ["RelayClient", "PublishResult", "PublishSuperseded", "FetchedWeights", "RelayHealth",
+           "RelayRef"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,8 @@ class RelayRef:
     address: str
     host: str = ""
     """Its host id (equal to the client's: same host, shared memory may be mapped)."""
+    started_at: float = 0.0
+    """When its process registered (with ``member_id``: which process it is)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +361,7 @@ class RelayClient:
             assert self._address is not None
             return {self._address: RelayRef(self._address, self._address)}
         return {
-            mid: RelayRef(mid, rec.address, rec.host_id)
+            mid: RelayRef(mid, rec.address, rec.host_id, rec.started_at)
             for mid, rec in self._coord.members(RELAY_ROLE).items()
         }
 
@@ -373,18 +377,21 @@ class RelayClient:
         if self._coord is None:
             assert self._address is not None
             return RelayRef(self._address, self._address)
-        backoff = _Backoff()
+        # Short polls while a master just failed: a standby takes over within a
+        # probe interval when the old one's port refuses connections.
+        backoff = _Backoff(maximum=0.5 if self._suspect is not None else 2.0)
         problem = "no relay has won the master election"
         while True:
             try:
                 leader = self._coord.leader(MASTER_ELECTION)
-                if leader is not None and not self._is_suspect(leader):
-                    rec = self._coord.members(RELAY_ROLE).get(leader)
-                    if rec is not None:
-                        return RelayRef(rec.member_id, rec.address, rec.host_id)
-                    problem = f"master {leader!r} has no live member record"
-                elif leader is not None:
+                rec = None if leader is None else self._coord.members(RELAY_ROLE).get(leader)
+                if rec is not None:
+                    ref = RelayRef(rec.member_id, rec.address, rec.host_id, rec.started_at)
+                    if not self._is_suspect(ref):
+                        return ref
                     problem = f"master {leader!r} just failed and no other relay took over yet"
+                elif leader is not None:
+                    problem = f"master {leader!r} has no live member record"
             except CoordinationError as exc:
                 problem = f"etcd lookup failed: {exc}"
             if time.monotonic() >= deadline:
@@ -396,11 +403,13 @@ class RelayClient:
             if self._closed.is_set():
                 raise TransportError("RelayClient is closed")
 
-    def _is_suspect(self, member_id: str) -> bool:
+    def _is_suspect(self, ref: RelayRef) -> bool:
+        """The master a publish just failed on, the same process (a relay restarted
+        under the same member id is another one), within ``failover_wait_s``."""
         suspect = self._suspect
         return (
             suspect is not None
-            and suspect[0] == member_id
+            and suspect[0] == (ref.member_id, ref.started_at, ref.address)
             and time.monotonic() - suspect[1] < self.failover_wait_s
         )
 
@@ -408,7 +417,7 @@ class RelayClient:
 
     def publish(
         self, version: int, tensors: Iterable[TensorLike], *, trainer_step: int = -1,
-        full: bool = False,
+        full: bool = False, superseded: Callable[[], bool] | None = None,
     ) -> PublishResult:
         """Hand one weight version to the master relay.
 
@@ -422,6 +431,8 @@ class RelayClient:
                 stay unchanged until this returns.
             trainer_step: recorded with the version.
             full: publish in full even where a delta could go (``delta_full_every``).
+            superseded: asked before each retry; True gives this version up (raises
+                :class:`PublishSuperseded`) because a newer one waits to be published.
 
         Raises:
             VersionConflictError: ``version`` is not newer than the published one.
@@ -429,6 +440,7 @@ class RelayClient:
             StoreFullError: the master has no room within its memory cap.
             NotMasterError: the fixed ``address`` is not the master.
             TransportError: no master took the version within ``publish_timeout_s``.
+            PublishSuperseded: ``superseded`` said so before a retry.
             ValueError: bad tensors (names, dtypes, sizes).
         """
         if version < 0:
@@ -467,7 +479,8 @@ class RelayClient:
                     if isinstance(exc, NotMasterError) and self._coord is None:
                         raise  # a fixed address cannot be re-resolved
                     last = exc
-                    self._suspect = (relay.member_id, time.monotonic())
+                    self._suspect = ((relay.member_id, relay.started_at, relay.address),
+                                     time.monotonic())
                     log.warning(
                         "publish of version %d to master %s failed (attempt %d): %s",
                         version,
@@ -477,6 +490,10 @@ class RelayClient:
                     )
                     if time.monotonic() >= deadline:
                         break
+                    if superseded is not None and superseded():
+                        raise PublishSuperseded(
+                            f"publish of weight version {version} given up after {attempt} "
+                            f"attempt(s): a newer version waits to be published") from exc
                     self._closed.wait(
                         min(backoff.next_delay(), max(0.0, deadline - time.monotonic()))
                     )
