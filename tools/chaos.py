@@ -9,7 +9,14 @@ and the training step (``simulate.step_s``: a sleep, then a real weight publish)
 About every ``--interval-s`` (jittered by the seeded RNG) one fault is drawn:
 SIGKILL (then a restart under the same id) or SIGSTOP (2 x TTL, then SIGCONT)
 of a random worker, a random relay, the manager or the trainer; SIGTERM of the
-trainer; SIGSTOP of etcd itself for 2 x TTL. The manager and the trainer come
+trainer; SIGSTOP of etcd itself for 2 x TTL. ``--faults`` draws from a list of
+its own instead, which may name ``master-kill`` and ``master-stop`` (the relay
+holding the master election at that moment): the relay-failover benchmark is
+
+    python tools/chaos.py --minutes 3 --interval-s 15 --faults master-kill,master-stop --compare
+
+and its per-kind table gives the longest step gap after each against the
+baseline's. The manager and the trainer come
 back with ``--resume``. Only pids this tool started are ever signalled. A tier
 that exits on its own is an incident: recorded, then restarted.
 
@@ -52,6 +59,9 @@ from laminar_common.membership import MemberRecord
 
 FAULTS = ("worker-kill", "worker-stop", "relay-kill", "relay-stop", "manager-kill",
           "manager-stop", "trainer-kill", "trainer-stop", "trainer-term", "etcd-pause")
+MASTER_FAULTS = ("master-kill", "master-stop")
+"""Faults of the master relay in particular (``--faults master-kill,master-stop``: the
+relay-failover benchmark); the random draw above hits it one time in ``--relays``."""
 SIMULATED = ("SIMULATED: rollout engine (engine.type=simulated) and training step "
              "(simulate.step_s sleep); real etcd, relays, manager, workers, trainer processes.")
 JOB = "chaos"
@@ -151,6 +161,15 @@ class Stack:
             os.kill(self.procs[name].pid, sig)
             (self.stopped.add if sig == signal.SIGSTOP else self.stopped.discard)(name)
 
+    def master(self) -> str:
+        """The relay holding the master election now (any relay if etcd has none)."""
+        try:
+            leader = self.watch.leader("relay-master")
+        except LaminarError:
+            leader = None
+        return leader if leader in self.procs else sorted(
+            n for n in self.procs if n.startswith("relay"))[0]
+
     def incident(self, name: str, what: str) -> None:
         self.incidents.append({"time": time.time(), "name": name, "what": what,
                                "log_tail": self.procs[name].lines[-5:]})
@@ -200,8 +219,11 @@ def read_jsonl(path: Path) -> list[dict]:
 def inject(stack: Stack, kind: str, rng: random.Random, pending: list[dict]) -> dict:
     """Apply one fault (blocking through a stop) and return its record."""
     tier, action = kind.split("-")
-    names = sorted(n for n in stack.procs if n.startswith(tier))
-    target = "etcd" if tier == "etcd" else rng.choice(names)
+    if tier == "master":
+        tier, target = "relay", stack.master()
+    else:
+        names = sorted(n for n in stack.procs if n.startswith(tier))
+        target = "etcd" if tier == "etcd" else rng.choice(names)
     before = stack.workers_seen() or {}
     rec = {"kind": kind, "target": target, "time": time.time()}
     print(f"  [{rec['time'] - stack.t0:7.1f}s] {kind} {target}", flush=True)
@@ -273,7 +295,7 @@ def soak(args: argparse.Namespace, root: Path, faults: bool) -> dict:
         while time.time() < end:
             if faults and time.time() >= next_at and len(records) < max_faults \
                     and time.time() < end - 2 * args.ttl_s - 5:
-                records.append(inject(stack, rng.choice(FAULTS), rng, pending))
+                records.append(inject(stack, rng.choice(args.faults), rng, pending))
                 next_at = time.time() + rng.uniform(0.5, 1.5) * args.interval_s
             idle(stack, min(1.0, max(0.0, end - time.time())), pending)
         t_end = time.time()
@@ -314,6 +336,8 @@ def analyse(stack: Stack, records: list[dict], t0: float, t_end: float) -> dict:
         "useful_fraction": sum(r["step_s"] for r in kept) / wall,
         "max_gap_s": round(max(gaps, default=wall), 2),
         "faults": records, "fault_counts": dict(collections.Counter(r["kind"] for r in records)),
+        "gaps_by_kind": {k: [r["max_gap_s"] for r in records if r["kind"] == k]
+                         for k in {r["kind"] for r in records}},
         "exactly_once": check_exactly_once(stack.run_dir, stack.state_dir),
     }
 
@@ -379,6 +403,9 @@ def report(r: dict) -> None:
                   f"{_s(f['max_gap_s']):>8} {_s(f.get('member_back_s', '-')):>11}")
         counts = sorted(r["fault_counts"].items())
         print("faults by kind: " + ", ".join(f"{k} {v}" for k, v in counts))
+        for kind, gaps in sorted(r["gaps_by_kind"].items()):
+            print(f"  {kind:<13} longest step gap after it: max {max(gaps):.2f} s, "
+                  f"median {sorted(gaps)[len(gaps) // 2]:.2f} s over {len(gaps)}")
     print(f"trajectories: consumed {e.get('consumed', 0)}, lost {e.get('lost', '?')}, "
           f"duplicated {e.get('duplicated', '?')}, in two ledger states "
           f"{e.get('in_two_states', '?')}; acked {e.get('acked_total', '?')}; "
@@ -410,7 +437,14 @@ def main() -> int:
                    help="run a no-fault baseline of the same length first; print the ratio")
     p.add_argument("--require-useful", type=float, default=None, metavar="FRACTION",
                    help="exit 1 unless useful time (ratio to the baseline if any) reaches this")
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help=f"comma-separated faults to draw from (default: all of {', '.join(FAULTS)}"
+                        f"; also {', '.join(MASTER_FAULTS)})")
     args = p.parse_args()
+    args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = sorted(set(args.faults) - set(FAULTS) - set(MASTER_FAULTS))
+    if unknown or not args.faults:
+        p.error(f"--faults: unknown {unknown}; choose from {', '.join(FAULTS + MASTER_FAULTS)}")
     if args.minutes <= 0 or args.interval_s <= 0 or args.workers < 1 or args.relays < 1:
         p.error("--minutes and --interval-s must be > 0, --workers and --relays >= 1")
     out = Path(args.out).resolve()

@@ -594,3 +594,36 @@ def test_dynamic_sampling_off_trains_uniform_groups(tmp_path, model_dir):
         assert svc._filtered_last_step == 0
     finally:
         svc.close()
+
+
+def test_max_unpublished_steps_pauses_training_while_publishing_fails(tmp_path, model_dir,
+                                                                      capsys):
+    from laminar_common.errors import TransportError
+
+    h = Harness(tmp_path, model_dir, total_steps=5, max_unpublished_steps=1,
+                checkpoint={"dir": None})
+    relays_down = {"now": False}
+    publish = h._publish
+
+    def flaky(version, tensors, step):
+        if relays_down["now"]:
+            raise TransportError("no usable relay master (simulated: every relay is cut off)")
+        publish(version, tensors, step)
+
+    h._publish = flaky
+    svc = h.start()
+    try:
+        h.send(svc, [t for p in ("a", "b") for t in _trajs(p)])
+        assert _wait(lambda: svc.step == 1 and h.published == [0, 1], 30)
+        relays_down["now"] = True
+        # Plenty of data: only the unpublished weights hold the trainer back.
+        h.send(svc, [t for p in ("c", "d", "e", "f", "g", "h") for t in _trajs(p, version=1)])
+        assert _wait(lambda: svc.step == 3, 30)
+        time.sleep(1.0)
+        assert svc.step == 3, "trained on with weights two steps unpublished"
+        assert "PAUSED at step 3" in capsys.readouterr().out
+        relays_down["now"] = False  # the paused trainer sends its weights again
+        assert _wait(lambda: svc.step == 4, 30)
+        assert "RESUMED at step 3" in capsys.readouterr().out
+    finally:
+        svc.close()

@@ -308,6 +308,14 @@ class TrainerConfig(ListenConfig):
     """Steps to train; the trainer exits 0 after the last one."""
     publish_every: int = Field(default=1, ge=1)
     """Publish weights every this many steps."""
+    max_unpublished_steps: int | None = Field(default=None, ge=0)
+    """What training does while no new weights reach the relays (a master relay failing
+    over, relays cut off): None trains on, on whatever trajectories the manager still
+    admits within its staleness bound (``max_staleness``), which stops admission
+    ``max_staleness + 1`` batches past the newest published version. N pauses training
+    once this trainer is more than N steps (beyond ``publish_every``) ahead of the
+    newest version the relays took, saying so, until publishing recovers: no update is
+    taken on data whose weights lag further. The console says what happens either way."""
     temperature: float | None = Field(default=None, gt=0)
     """Log-probs are computed at each trajectory's own sampling temperature (it travels
     on the trajectory). Set this to fix one: a trajectory sampled at another temperature

@@ -87,6 +87,10 @@ class PublishStats:
     """Versions given up after a failed send because a newer one was waiting."""
     failed: int = 0
     last_version: int = -1
+    last_step: int = -1
+    """The trainer step of the newest version the master relay took."""
+    failing_since: float | None = None
+    """Monotonic time of the first failed send since the last good one (None: none)."""
     stall_s: list[float] = field(default_factory=list)
     send_s: list[float] = field(default_factory=list)
 
@@ -137,6 +141,11 @@ class WeightPublisher:
         self.stats.stall_s.append(stall)
         return stall
 
+    def idle(self) -> bool:
+        """Nothing is being sent or waits to be."""
+        with self._cond:
+            return self._pending is None and not self._busy
+
     def has_newer(self) -> bool:
         """A newer snapshot waits behind the one being sent (a send that keeps failing
         may give its version up for it: ``RelayClient.publish(superseded=...)``)."""
@@ -159,15 +168,19 @@ class WeightPublisher:
                 self._publish_fn(snap.version, snap.tensors, snap.step)
                 self.stats.published += 1
                 self.stats.last_version = snap.version
+                self.stats.last_step = snap.step
+                self.stats.failing_since = None
                 self.stats.send_s.append(time.perf_counter() - t0)
                 log.info("published weights v%d (%.1f MB) in %.3fs", snap.version,
                          snap.nbytes / 1e6, time.perf_counter() - t0)
             except PublishSuperseded as exc:
                 self.stats.superseded += 1
+                self.stats.failing_since = self.stats.failing_since or time.monotonic()
                 log.warning("weights v%d not published, a newer version goes instead: %s",
                             snap.version, exc)
             except Exception:  # top of a long-lived loop: keep training, log the failure
                 self.stats.failed += 1
+                self.stats.failing_since = self.stats.failing_since or time.monotonic()
                 log.exception("publishing weights v%d failed", snap.version)
             finally:
                 with self._cond:

@@ -530,6 +530,8 @@ class TrainerService(Service):
             print(f"EVAL before step 0: held-out accuracy {self.eval_before:.3f}"
                   f"{self._pass_text()}", flush=True)
         while self.step < cfg.total_steps and not self.stopping.is_set():
+            if not self._hold_for_publishing():
+                break
             t0 = time.monotonic()
             if self._streaming:
                 # optim.stream: the step starts on its first mini-batch; the later ones
@@ -551,6 +553,35 @@ class TrainerService(Service):
         if self.ended_early is not None:
             self._final_checkpoint()  # the steps since the last one, and their acks
         self._finish()
+
+    def _hold_for_publishing(self, say_every_s: float = 5.0) -> bool:
+        """With ``max_unpublished_steps``: wait while this trainer is that many steps
+        ahead of the newest version the relays took; False if it is stopping."""
+        limit, publisher = self.config.max_unpublished_steps, self.publisher
+        if limit is None or publisher is None:
+            return True
+        allowed = limit + self.config.publish_every - 1
+        t0 = said = None
+        resent = 0.0
+        while self.step - max(publisher.stats.last_step, 0) > allowed \
+                and not self.stopping.is_set():
+            now = time.monotonic()
+            if said is None or now - said >= say_every_s:
+                t0, said = t0 or now, now
+                print(f"PAUSED at step {self.step} for {now - t0:.0f}s: the newest weights "
+                      f"the relays took are v{publisher.stats.last_version} (step "
+                      f"{publisher.stats.last_step}), more than max_unpublished_steps={limit} "
+                      "behind; training goes on once publishing recovers (the publisher's "
+                      "warnings say why it fails)", flush=True)
+            if publisher.idle() and publisher.stats.last_version < self.version \
+                    and now - resent >= 1.0:
+                resent = now
+                self._publish()  # the send gave up (publish_timeout_s): these weights again
+            self.stopping.wait(0.05)
+        if t0 is not None and not self.stopping.is_set():
+            print(f"RESUMED at step {self.step} after {time.monotonic() - t0:.1f}s paused: "
+                  f"weights v{publisher.stats.last_version} published", flush=True)
+        return not self.stopping.is_set()
 
     def _wait_for(self, n_groups: int) -> bool:
         """Block until ``n_groups`` groups are ready; False if the trainer is stopping.
