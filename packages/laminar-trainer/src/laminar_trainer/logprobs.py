@@ -9,10 +9,13 @@ trainer's step use it; decoding for evaluation is in ``laminar_trainer.decoding`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # annotations only: importing transformers costs seconds a start
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 __all__ = ["compute_token_logprobs", "compute_token_logprobs_and_entropy", "encode_prompts",
            "model_device", "pack_sequences"]
