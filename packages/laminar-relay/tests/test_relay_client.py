@@ -70,3 +70,35 @@ def test_bad_arguments_are_refused(make_client):
         client.publish(1, [("w", "float32", (2,), b"1234567")])
     with pytest.raises(ValueError, match="version must be >= 0"):
         client.publish(-1, tensors_for(1))
+
+
+def test_a_first_relay_that_does_not_answer_is_read_from_last(etcd, make_relay, make_client,
+                                                              caplog):
+    import socket
+
+    from laminar_common.membership import InMemoryCoordinator, MemberRecord
+    from laminar_common.relay.wire import RELAY_ROLE
+
+    master = make_relay("m", host_id="other-host")
+    client = make_client()
+    client.publish(1, tensors_for(1))
+    # A relay "on the reader's host" whose port accepts connections and never answers:
+    # what a paused (SIGSTOP) relay looks like from outside.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    paused = InMemoryCoordinator(etcd, "unit")
+    paused.register(MemberRecord(member_id="paused", role=RELAY_ROLE, host_id="reader-host",
+                                 address=f"127.0.0.1:{silent.getsockname()[1]}"))
+    reader = make_client(host="reader-host", client_id="reader", rpc_timeout_s=30.0)
+    assert [r.member_id for r in reader._read_candidates()][0] == "paused"
+    t0 = time.monotonic()
+    with caplog.at_level("INFO", logger="laminar_common.relay.client"), \
+            reader.fetch(1, wait_s=30.0) as fetched:
+        took = time.monotonic() - t0
+        assert fetched.relay_id == master.member_id
+        assert bytes(fetched.tensors()["layer.weight"]) == tensors_for(1)[0][3]
+    assert took < 5.0, took  # not the 30 s a read waiting at the paused relay would take
+    assert "relay paused does not answer" in caplog.text
+    paused.crash()
+    silent.close()

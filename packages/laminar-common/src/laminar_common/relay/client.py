@@ -21,7 +21,9 @@ Behaviour under failure:
   manifest, store full) are raised at once as the relay's error class
   (see ``relay_wire``); they are never retried.
 - A fetch tries the local relay (waiting up to ``wait_s`` for a version it is
-  still receiving), then the master, then the other relays.
+  still receiving), then the master, then the other relays. A first relay that
+  does not answer a health call within ``probe_timeout_s`` (paused, cut off) is
+  tried last, so a paused master does not hold its readers for a whole deadline.
 
 Invariants: a :class:`FetchedWeights` is always a complete version whose
 chunks were verified (by the relay that stored it, and by this client when the
@@ -261,6 +263,9 @@ class RelayClient:
             changed, or the delta would be at least half the full version's
             bytes (``publish(full=True)`` asks for one). Costs one host copy of
             the published version, kept as the next delta's base.
+        probe_timeout_s: before a read that may wait at its first relay, that relay
+            must answer a health call within this; one that does not (paused, cut off)
+            is tried last.
     """
 
     def __init__(
@@ -283,6 +288,7 @@ class RelayClient:
         tls: TlsFiles | None = None,
         curve: CurveAuth | None = None,
         delta_full_every: int = 0,
+        probe_timeout_s: float = 1.0,
     ) -> None:
         if (coordinator is None) == (address is None):
             raise ValueError("give exactly one of coordinator or address")
@@ -296,6 +302,7 @@ class RelayClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.publish_timeout_s = publish_timeout_s
         self.failover_wait_s = failover_wait_s
+        self.probe_timeout_s = probe_timeout_s
         self.max_attempts = max(1, max_attempts)
         self.hash_threads = max(1, hash_threads)
         self.use_shared_memory = use_shared_memory
@@ -715,6 +722,13 @@ class RelayClient:
             candidates = self._read_candidates()
         if not candidates:
             raise TransportError("no relay is registered for this job")
+        if len(candidates) > 1 and wait_s > 0 and not self._answers(candidates[0]):
+            # The first relay may wait ``wait_s`` for a version still on its way; one
+            # that does not answer at all (paused, cut off) would hold the read for its
+            # whole deadline. Try it last, without waiting.
+            log.info("relay %s does not answer within %.1fs; reading from the others first",
+                     candidates[0].member_id, self.probe_timeout_s)
+            candidates = [*candidates[1:], candidates[0]]
         errors: list[str] = []
         last: LaminarError | None = None
         for i, ref in enumerate(candidates):
@@ -730,6 +744,15 @@ class RelayClient:
         what = "the latest version" if version is None else f"weight version {version}"
         cls = VersionNotFoundError if isinstance(last, VersionNotFoundError) else TransportError
         raise cls(f"could not fetch {what} from any relay: " + "; ".join(errors)) from last
+
+    def _answers(self, ref: RelayRef) -> bool:
+        """Whether ``ref`` answers a health call within ``probe_timeout_s``."""
+        try:
+            call_relay(self._stub(ref.address).Health, relay_pb2.HealthRequest(),
+                       f"health of relay {ref.member_id}", self.probe_timeout_s)
+        except LaminarError:
+            return False
+        return True
 
     def _fetch_from(
         self, ref: RelayRef, version: int | None, wait_s: float, verify: bool | None
