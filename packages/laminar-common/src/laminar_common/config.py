@@ -329,7 +329,7 @@ TIER_FIELD_NAMES = frozenset({
     "kv_hold_max_mb", "kv_hold_s", "kv_listen", "kv_plane", "kv_port", "kv_transfer_max_mb",
     "lease_grace_s", "ledger_keep_groups", "listen", "logging", "loss", "manager_id",
     "max_fetch_wait_s", "max_prompts", "on_data_exhausted", "max_rejections", "max_staleness",
-    "max_waiting",
+    "max_unpublished_steps", "max_waiting",
     "member_id", "metrics", "mode", "model_dir", "optim", "outbox_capacity", "port", "prompts",
     "protocol_version", "publish_delta_full_every", "publish_dtype", "publish_every",
     "refill_fraction", "relay", "repack", "report_interval_s", "resend_after_s", "reward",
