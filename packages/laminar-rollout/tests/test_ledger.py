@@ -362,3 +362,14 @@ def test_filtered_groups_are_credited_once_and_survive_a_restore():
     with pytest.raises(ValueError, match="filtered prompt 'zz'"):
         TrajectoryLedger.restored({**snap, "filtered": {"groups": 1, "prompt_ids": ["zz"]}},
                                   records.get, SAMPLING)
+
+
+def test_a_job_seed_gives_each_trajectory_its_own_recorded_seed():
+    from laminar_common.codec import trajectory_seed
+
+    led = TrajectoryLedger()
+    ids = led.add_group(PromptRecord("p0", "x", {}), 4, SamplingSpec(seed=11))
+    seeds = [led.entries[t].task.sampling.seed for t in ids]
+    assert seeds == [trajectory_seed(11, t) for t in ids] and len(set(seeds)) == 4
+    unseeded = led.add_group(PromptRecord("p1", "x", {}), 2, SamplingSpec())
+    assert {led.entries[t].task.sampling.seed for t in unseeded} == {None}

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from typing import Any, Union
 
@@ -23,6 +24,7 @@ import msgspec
 from laminar_common.errors import ProtocolError
 
 __all__ = [
+    "trajectory_seed",
     "PROTOCOL_VERSION",
     "MAGIC",
     "DEFAULT_MAX_FRAME_BYTES",
@@ -106,6 +108,14 @@ class Refused(_Msg, tag="refused"):
     """Reply to a refused :class:`Hello` (or frame); ``reason`` is for humans."""
 
     reason: str
+
+
+def trajectory_seed(base: int, trajectory_id: str) -> int:
+    """A trajectory's own sampling seed, from a job's ``sampling.seed`` and its id: each
+    member of a group samples its own stream, and the same job seed and id give the same
+    seed again (``laminar replay --trajectory`` regenerates it)."""
+    digest = hashlib.blake2b(f"{base}/{trajectory_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << 63) - 1)
 
 
 class SamplingSpec(_Msg, tag="sampling"):

@@ -195,6 +195,11 @@ class SamplingConfig(LaminarModel):
     """Nucleus sampling mass."""
     top_k: int = Field(default=0, ge=0)
     """0 turns top-k off."""
+    seed: int | None = None
+    """Seeded sampling: each trajectory samples from its own stream, seeded from this and
+    its id (recorded in the trainer's step records), so ``laminar replay --trajectory``
+    can generate it again on the torch engine. Unset: each engine's shared generator
+    (seeded from its worker id), and trajectories cannot be regenerated."""
 
 
 class SandboxConfig(LaminarModel):

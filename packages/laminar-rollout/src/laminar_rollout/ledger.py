@@ -40,7 +40,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from laminar_common.codec import ConversationState, KvCache, KvRef, PromptTask, SamplingSpec
+from laminar_common.codec import (
+    ConversationState,
+    KvCache,
+    KvRef,
+    PromptTask,
+    SamplingSpec,
+    trajectory_seed,
+)
 from laminar_common.data.records import Record
 
 __all__ = ["TrajectoryLedger", "Entry", "PENDING", "DISPATCHED", "DONE", "ACKED", "REJECTED"]
@@ -155,9 +162,11 @@ class TrajectoryLedger:
             tid = trajectory_id(prompt_id, i)
             if tid in self.entries:
                 raise ValueError(f"trajectory {tid!r} already exists: prompt ids must be unique")
+            own = sampling if sampling.seed is None else msgspec.structs.replace(
+                sampling, seed=trajectory_seed(sampling.seed, tid))
             task = PromptTask(trajectory_id=tid, prompt_id=prompt_id,
                               group_size=group_size, sample_index=i, prompt=text,
-                              messages=messages, metadata=record.metadata, sampling=sampling,
+                              messages=messages, metadata=record.metadata, sampling=own,
                               group_seq=seq)
             self.entries[tid] = Entry(task, batch)
             self.counters.by_state[PENDING] += 1
