@@ -627,3 +627,58 @@ def test_max_unpublished_steps_pauses_training_while_publishing_fails(tmp_path, 
         assert "RESUMED at step 3" in capsys.readouterr().out
     finally:
         svc.close()
+
+
+def test_a_step_replays_bit_exact_and_a_tampered_record_names_the_tensors(tmp_path, model_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from laminar_common.errors import LaminarError
+    from laminar_trainer.replay import replay_step, replayable_steps
+
+    ckpt = tmp_path / "ckpt"
+    h = Harness(tmp_path, model_dir, total_steps=3,
+                checkpoint={"dir": str(ckpt), "every_steps": 1, "keep": 10})
+    svc = h.start()
+    try:
+        h.send(svc, [t for p in "abcdef" for t in _trajs(p)])
+        assert _wait(lambda: svc.finished.is_set(), 60)
+        written = svc.records.bytes_written
+    finally:
+        svc.close()
+    records = ckpt / "records"
+    assert replayable_steps(records, ckpt) == [2, 3] and written > 0
+    result = replay_step(records, ckpt, 2)
+    assert result.exact and result.tensors > 0, result.describe()
+    assert "bit-exact" in result.describe()
+    with pytest.raises(LaminarError, match="needs the checkpoints of steps 0 and 1"):
+        replay_step(records, ckpt, 1)
+    # One reward changed in the record: the recomputed update is not the trained one.
+    path = records / "step-00000002.parquet"
+    table = pq.read_table(path)
+    rewards = table.column("reward").to_pylist()
+    rewards[0] += 1.0
+    tampered = table.set_column(table.column_names.index("reward"), "reward",
+                                pa.array(rewards, pa.float64()))
+    pq.write_table(tampered, path)
+    result = replay_step(records, ckpt, 2)
+    assert not result.exact and result.differing, result.describe()
+    worst = max(result.differing, key=result.differing.get)
+    assert worst in result.describe() and worst in svc.model.state_dict()
+
+
+def test_the_step_metrics_split_ratios_and_clipping_by_staleness(tmp_path, model_dir):
+    h = Harness(tmp_path, model_dir, total_steps=1, checkpoint={"dir": None})
+    svc = h.start()
+    try:
+        svc.version = 2  # trajectories of v2 are fresh, of v0 two versions stale
+        h.send(svc, _trajs("a", version=2) + _trajs("b", version=0))
+        assert _wait(lambda: svc.finished.is_set(), 60)
+    finally:
+        svc.close()
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["stale0_token_frac"] == pytest.approx(0.5)
+    assert row["stale2_token_frac"] == pytest.approx(0.5)
+    assert "stale1_token_frac" not in row and row["staleness_token_mean"] == pytest.approx(1.0)
+    for bucket in ("stale0", "stale2"):
+        assert 0 <= row[f"{bucket}_clip_frac"] <= 1 and row[f"{bucket}_ratio_mean"] > 0

@@ -332,7 +332,7 @@ TIER_FIELD_NAMES = frozenset({
     "max_unpublished_steps", "max_waiting",
     "member_id", "metrics", "mode", "model_dir", "optim", "outbox_capacity", "port", "prompts",
     "protocol_version", "publish_delta_full_every", "publish_dtype", "publish_every",
-    "refill_fraction", "relay", "repack", "report_interval_s", "resend_after_s", "reward",
+    "records", "refill_fraction", "relay", "repack", "report_interval_s", "resend_after_s", "reward",
     "reward_timeout_s", "reward_workers", "role", "run_dir", "samples", "sampling", "seed",
     "simulate", "state_dir", "stats_path", "store", "temperature", "threads", "total_steps",
     "tracking", "trainer_id", "wait_timeout_s", "weight_load_timeout_s", "worker_id",

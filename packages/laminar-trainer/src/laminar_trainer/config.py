@@ -245,6 +245,18 @@ class SamplesConfig(LaminarModel):
     """Completions logged each time (from the step's batch)."""
 
 
+class RecordsConfig(LaminarModel):
+    """Step records: what every step trained on, one Parquet file a step (``laminar
+    samples`` shows them, ``laminar replay`` recomputes a step from them)."""
+
+    enabled: bool = True
+    """Write a record for every step (the switch for jobs where their size matters)."""
+    dir: str | None = None
+    """Where they go (default: ``records`` in ``checkpoint.dir``, else in ``run_dir``)."""
+    keep_steps: int | None = Field(default=1000, ge=1)
+    """Records kept, newest first (null: all)."""
+
+
 class SimulateConfig(LaminarModel):
     """A simulated training step, for scheduling benchmarks (no model is loaded)."""
 
@@ -373,6 +385,8 @@ class TrainerConfig(ListenConfig):
     """Held-out evaluation."""
     samples: SamplesConfig = SamplesConfig()
     """Sample completions in the run dir and the trackers."""
+    records: RecordsConfig = RecordsConfig()
+    """Step records (what each step trained on, for ``laminar samples`` and ``replay``)."""
     run_dir: str = "runs/latest"
     """Metrics (metrics.jsonl), consumed-id log and summary go here."""
     tracking: TrackingConfig = TrackingConfig()

@@ -341,6 +341,7 @@ def compute_policy_loss(
     tis_cap: float = 2.0,
     aggregation: str = "token-mean",
     ratio_level: str = "token",
+    row_buckets: torch.Tensor | None = None,
     denominator: float | None = None,
     norm_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -360,6 +361,9 @@ def compute_policy_loss(
         tis_cap: truncation of the importance weight (>= 1).
         aggregation: one of ``AGGREGATIONS``.
         ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
+        row_buckets: ``[B]`` integer bucket of each row (its staleness, capped); adds
+            ``bucket_sums``: bucket -> (tokens, clipped tokens, sum of ratios, sum of
+            importance weights), raw sums over the bucket's tokens (not a float).
         denominator, norm_tokens: as :func:`aggregate_token_losses`.
 
     Returns:
@@ -479,6 +483,15 @@ def compute_policy_loss(
             "proximal_kl": proximal_kl,
             "tokens": float(mask.sum()),
         }
+        if row_buckets is not None:
+            sums = {}
+            for bucket in row_buckets.unique().tolist():
+                where = mask & (row_buckets.to(mask.device)[:, None] == bucket)
+                n = float(where.sum())
+                if n:
+                    sums[int(bucket)] = (n, float(clipped_away[where].sum()),
+                                         float(current[where].sum()), float(weight[where].sum()))
+            stats["bucket_sums"] = sums
     return loss, stats
 
 

@@ -62,6 +62,7 @@ from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
+from laminar_common.provenance import StepRecordWriter
 from laminar_common.roles import Extra, Role, State
 from laminar_common.service import Service
 from laminar_common.status import StatusWriter
@@ -208,6 +209,7 @@ class TrainerService(Service):
         self._filtered_retry_at = 0.0
         self._starved_warn_at = 0
         self.finished = threading.Event()
+        self.records: StepRecordWriter | None = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -241,6 +243,7 @@ class TrainerService(Service):
             waiting_for=f"job {cfg.job!r} (etcd {', '.join(cfg.etcd.endpoints)})")
         self._load()
         self._first_step = self.step
+        self.records = self._make_records()
         self.samples = SampleLogger(self.run_dir, cfg.samples, self.tokenizer, self.trackers)
         latest = self.coordinator.latest_version()
         published = -1 if latest is None else latest.version
@@ -370,6 +373,21 @@ class TrainerService(Service):
         else:  # a fresh start (or --resume with nothing to resume: a fresh start too)
             for name in ("consumed.jsonl", "metrics.jsonl", "samples.jsonl"):
                 (self.run_dir / name).unlink(missing_ok=True)
+
+    def _make_records(self) -> StepRecordWriter | None:
+        """The step-record writer (None: records are off); a resumed run drops the
+        records of the steps it trains again, a fresh one an earlier run's."""
+        cfg = self.config
+        if not cfg.records.enabled:
+            return None
+        where = cfg.records.dir or (Path(cfg.checkpoint.dir) / "records" if cfg.checkpoint.dir
+                                    else self.run_dir / "records")
+        tok = self.tokenizer
+        writer = StepRecordWriter(
+            where, dump_config(cfg), cfg.records.keep_steps,
+            decode=None if tok is None else lambda ids: tok.decode(list(ids)))
+        writer.drop_after(self.step)
+        return writer
 
     def _clear_old_checkpoints(self, root: Path) -> None:
         """A fresh start (no --resume) begins a new run, as it does for the logs in
@@ -687,16 +705,28 @@ class TrainerService(Service):
         waited += self._stream_wait
         self._wait_s += self._stream_wait
         trajs = [t for g in groups for t in g.trajectories()]
+        record_s = self._record(groups, consume_version)
         stall = self._maybe_publish()
         self._account(trajs, result)
         metrics = self._step_metrics(trajs, result, consume_version, train_s, waited, stall)
         if self._streaming:
             metrics["stream_wait_s"] = self._stream_wait
+        if self.records is not None:
+            metrics["record_s"] = record_s
         self._maybe_checkpoint_or_ack()
         self._maybe_evaluate(metrics)
         self._report_step(metrics, result, stall)
         # After the step's row: W&B refuses anything logged at a step below one it saw.
         self.samples.maybe_log(self.step, self.version, groups)
+
+    def _record(self, groups: list[Group], version: int) -> float:
+        """Write the step's record (before its checkpoint: a checkpoint's step always has
+        one); returns the seconds it took."""
+        if self.records is None:
+            return 0.0
+        t0 = time.monotonic()
+        self.records.write(self.step, version, groups)
+        return time.monotonic() - t0
 
     def _train(self, groups: list[Group]) -> tuple[StepResult, float]:
         """The optimizer step (across ranks, in one process, or simulated)."""

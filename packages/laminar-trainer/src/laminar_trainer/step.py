@@ -160,6 +160,14 @@ class _Micro:
     reference: torch.Tensor | None = None
 
 
+STALENESS_BUCKETS = 4
+"""Staleness buckets of the per-bucket stats: 0, 1, 2 and 3 or more (``stale3p``)."""
+
+
+def bucket_name(bucket: int) -> str:
+    return f"stale{bucket}p" if bucket == STALENESS_BUCKETS - 1 else f"stale{bucket}"
+
+
 class _Stats:
     """Token-weighted sums and maxima of loss stats, exact over any split."""
 
@@ -167,9 +175,23 @@ class _Stats:
         self.sums: dict[str, float] = {}
         self.maxes: dict[str, float] = {}
 
+    def add_buckets(self, sums: dict[int, tuple[float, float, float, float]],
+                    staleness_tokens: float) -> None:
+        """Per staleness bucket: tokens, clipped tokens, ratio and importance-weight sums
+        (raw sums, kept apart from the token-weighted means); ``staleness_tokens``: the
+        sum over tokens of their row's staleness."""
+        for bucket in range(STALENESS_BUCKETS):  # every key on every rank (all_reduce)
+            name = bucket_name(bucket)
+            values = sums.get(bucket, (0.0, 0.0, 0.0, 0.0))
+            for part, value in zip(("tokens", "clipped", "ratio", "weight"), values):
+                key = f"{name}/{part}"
+                self.sums[key] = self.sums.get(key, 0.0) + value
+        key = "staleness/token_sum"
+        self.sums[key] = self.sums.get(key, 0.0) + staleness_tokens
+
     def add(self, stats: dict[str, float], tokens: float) -> None:
         for key, value in stats.items():
-            if key == "tokens":
+            if key == "tokens" or "/" in key:
                 continue
             if key in _MAX_STATS:
                 self.maxes[key] = max(self.maxes.get(key, -math.inf), float(value))
@@ -186,7 +208,21 @@ class _Stats:
             maxes = dist.all_reduce(maxes, "max")
         totals = dict(zip(sum_keys, sums))
         tokens = totals.pop("tokens", 0.0)
+        raw = {k: totals.pop(k) for k in [k for k in totals if "/" in k]}
         out = {k: v / tokens if tokens else 0.0 for k, v in totals.items()}
+        # Per staleness bucket: its share of the tokens, the fraction of its tokens whose
+        # ratio was clipped away, its mean ratio and mean importance weight.
+        counted = sum(v for k, v in raw.items() if k.endswith("/tokens"))
+        if counted:
+            out["staleness_token_mean"] = raw.get("staleness/token_sum", 0.0) / counted
+        for bucket in range(STALENESS_BUCKETS):
+            name = bucket_name(bucket)
+            n = raw.get(f"{name}/tokens", 0.0)
+            if n:
+                out[f"{name}_token_frac"] = n / counted
+                out[f"{name}_clip_frac"] = raw[f"{name}/clipped"] / n
+                out[f"{name}_ratio_mean"] = raw[f"{name}/ratio"] / n
+                out[f"{name}_is_weight_mean"] = raw[f"{name}/weight"] / n
         out.update({k: v if math.isfinite(v) else 0.0 for k, v in zip(max_keys, maxes)})
         return out
 
@@ -401,7 +437,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
             at = (version, len(losses) / updates) if loglinear and losses else None
             for micro in micros:
                 update_loss += _micro_step(model, micro, denominator, norm, world, cfg, device,
-                                           stats, keep_proximal, at)
+                                           stats, keep_proximal, at, version)
             if dist is not None:
                 update_loss = dist.all_reduce([update_loss], "sum")[0]
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -453,7 +489,8 @@ def loglinear_proximal(old: torch.Tensor, current: torch.Tensor, staleness: torc
 
 def _micro_step(model, micro: _Micro, denominator: float, norm: float | None, world: int, cfg,
                 device, stats: _Stats, keep_proximal: bool,
-                loglinear_at: tuple[int, float] | None = None) -> float:
+                loglinear_at: tuple[int, float] | None = None,
+                version: int | None = None) -> float:
     """Forward and backward of one micro-batch; returns its share of the update's loss.
     ``keep_proximal``: a micro-batch without proximal log-probs is at the proximal
     weights now, and keeps this forward's for its later updates; with ``loglinear_at``
@@ -473,14 +510,20 @@ def _micro_step(model, micro: _Micro, denominator: float, norm: float | None, wo
                                      device=logprobs.device)
             micro.proximal = loglinear_proximal(micro.old, logprobs, staleness, moved)
     adv = micro.advantages[:, None].expand_as(logprobs)
+    # Every rank adds the same stats keys (all_reduce): without a version, staleness 0.
+    staleness = torch.tensor([0 if version is None else max(0, version - t.policy_version)
+                              for t in micro.trajs], device=logprobs.device)
     loss, step_stats = compute_policy_loss(
         logprobs, micro.old, adv, micro.mask, clip_low=loss_cfg.clip_low,
         clip_high=loss_cfg.clip_high, correction=loss_cfg.correction, tis_cap=loss_cfg.tis_cap,
         proximal_logprobs=micro.proximal, aggregation=loss_cfg.aggregation,
         ratio_level="sequence" if loss_cfg.algorithm == "gspo" else "token",
-        denominator=denominator, norm_tokens=norm)
+        denominator=denominator, norm_tokens=norm,
+        row_buckets=staleness.clamp(max=STALENESS_BUCKETS - 1))
     mask = micro.mask
     tokens = float(mask.sum())
+    stats.add_buckets(step_stats.pop("bucket_sums"),
+                      float((mask.sum(-1) * staleness.to(mask.device)).sum()))
     with torch.no_grad():
         step_stats["entropy"] = float(entropy[mask].sum()) / tokens if tokens else 0.0
     if micro.reference is not None:

@@ -127,6 +127,27 @@ def _by_source(row: dict) -> dict[str, float]:
     return {str(k): v for k, raw in by_source.items() if (v := _number(raw)) is not None}
 
 
+_BUCKETS = (("stale0", "0"), ("stale1", "1"), ("stale2", "2"), ("stale3p", "3+"))
+
+
+def staleness_buckets(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """The trainer's per-staleness stats over a run, weighted by each step's tokens in
+    the bucket: ``{"0": {"token_frac", "clip_frac", "ratio_mean", "is_weight_mean"}}``
+    (only buckets that trained a token; empty for a run without them)."""
+    out = {}
+    total = sum(_number(r.get("tokens")) or 0.0 for r in rows)
+    for key, label in _BUCKETS:
+        weights = [(_number(r.get(f"{key}_token_frac")) or 0.0) * (_number(r.get("tokens")) or 0.0)
+                   for r in rows]
+        n = sum(weights)
+        if not n or not total:
+            continue
+        out[label] = {"token_frac": n / total, **{
+            stat: sum(w * (_number(r.get(f"{key}_{stat}")) or 0.0) for w, r in zip(weights, rows)) / n
+            for stat in ("clip_frac", "ratio_mean", "is_weight_mean")}}
+    return out
+
+
 def summarize(rows: list[dict], summary: dict) -> str:
     lines = []
     if summary.get("simulated_step"):
@@ -145,6 +166,13 @@ def summarize(rows: list[dict], summary: dict) -> str:
                      if (v := _number(last.get(key))) is not None]
             if parts:
                 lines.append(f"{head}: " + ", ".join(parts))
+        buckets = staleness_buckets(rows)
+        if buckets:
+            lines.append("by staleness over the run (share of trained tokens, clipped, mean "
+                         "ratio, mean importance weight): " + "; ".join(
+                             f"{name}: {b['token_frac']:.0%}, clip {b['clip_frac']:.3f}, ratio "
+                             f"{b['ratio_mean']:.3f}, IS {b['is_weight_mean']:.3f}"
+                             for name, b in buckets.items()))
     if summary.get("eval_before") is not None:
         lines.append(f"held-out accuracy: before {summary['eval_before']:.3f}, "
                      f"after {summary['eval_after']:.3f} "
