@@ -50,8 +50,8 @@ def _option_envvars(command_name: str) -> dict[str, str]:
 
 
 def test_the_commands_and_their_options_are_those_of_before():
-    assert sorted(cli.commands) == ["demo", "etcd", "keys", "member", "prompts", "report",
-                                    "status", "up"]
+    assert sorted(cli.commands) == ["demo", "etcd", "keys", "member", "prompts", "replay",
+                                    "report", "samples", "status", "up"]
     opts = {name: {o for p in cmd.params for o in p.opts} for name, cmd in cli.commands.items()}
     assert opts["up"] == {"job", "--set", "--backend", "--address", "--ray-address", "--num-cpus",
                           "--resume", "--fresh"}
@@ -59,6 +59,9 @@ def test_the_commands_and_their_options_are_those_of_before():
                               "--etcd-key"}
     assert opts["prompts"] >= {"--task", "--n", "--split", "--seed", "--out", "--difficulty"}
     assert opts["keys"] >= {"--out", "--etcd", "--etcd-host"}
+    assert opts["replay"] == {"run_dir", "--step", "--trajectory", "--dtype"}
+    assert opts["samples"] == {"run_dir", "--step", "--worst", "--best", "--longest", "--count",
+                               "-n", "--width"}
     assert _option_envvars("status")["--job"] == "LAMINAR_STATUS_JOB"
     defaults = {p.name: p.default for p in cli.commands["status"].params}
     # None: RUN_DIR's etcd, else 127.0.0.1:2379 (tested with a run dir in test_launcher)

@@ -171,6 +171,57 @@ def report(run_dir: str) -> int:
     return 0
 
 
+@cli.command(help="Show what a run's steps trained on, from the trainer's step records "
+                  "(RUN_DIR: the job's or the trainer's run directory): prompts, "
+                  "completions, rewards, versions, staleness. Default: the newest step.",
+             short_help="Show what a run's steps trained on.")
+@click.argument("run_dir", type=click.Path(exists=True))
+@_option("--step", type=int, default=None, help="this step (default: the newest recorded)")
+@_option("--worst", "order", flag_value="worst", help="lowest rewards first")
+@_option("--best", "order", flag_value="best", help="highest rewards first")
+@_option("--longest", "order", flag_value="longest", help="longest responses first")
+@_option("--count", "-n", type=int, default=8, show_default=True,
+              help="trajectories shown")
+@_option("--width", type=int, default=400, show_default=True,
+              help="characters of each prompt and completion shown")
+def samples(run_dir: str, step: int | None, order: str | None, count: int, width: int) -> int:
+    from laminar_common.errors import LaminarError
+    from laminar_common.provenance import show_samples
+
+    try:
+        print(show_samples(run_dir, step, order, count, width))
+    except LaminarError as exc:
+        raise click.ClickException(str(exc)) from exc
+    return 0
+
+
+@cli.command(help="Recompute a step of a run from the checkpoint before it and its record "
+                  "and compare it with the checkpoint after it (--step N; bit-exact on the "
+                  "same machine and environment), or generate a seeded trajectory again "
+                  "(--trajectory ID, torch engine). Without either: the replayable steps. "
+                  "Runs laminar-trainer replay / laminar_rollout.regenerate (those packages "
+                  "must be installed here).",
+             short_help="Recompute a step, or regenerate a trajectory.")
+@click.argument("run_dir", type=click.Path(exists=True))
+@_option("--step", type=int, default=None, help="the step to recompute")
+@_option("--trajectory", default=None, help="a trajectory id to generate again")
+@_option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              help="with --trajectory: the rollout engine's dtype")
+def replay(run_dir: str, step: int | None, trajectory: str | None, dtype: str) -> int:
+    import importlib.util
+    import subprocess
+    import sys
+
+    if trajectory is not None:
+        module, args = "laminar_rollout.regenerate", ["--trajectory", trajectory, "--dtype", dtype]
+    else:
+        module, args = "laminar_trainer.replay", ["--step", str(step)] if step is not None else []
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise click.ClickException(f"{module.split('.')[0]} is not installed in this "
+                                   f"environment (pip install {module.split('.')[0].replace('_', '-')})")
+    return subprocess.call([sys.executable, "-m", module, run_dir, *args])
+
+
 def _math_prompts(n: int, split: str, seed: int, out: str, difficulty: tuple[str, ...]) -> int:
     from pathlib import Path
 
