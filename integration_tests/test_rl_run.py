@@ -133,6 +133,7 @@ def test_a_step_replays_bit_exact_and_a_seeded_trajectory_regenerates(etcd, spaw
     record = read_step_record(ckpt / "records" / "step-00000003.parquet")
     traj = next(t for g in record.groups for t in g.trajectories() if t.policy_version >= 1)
     assert traj.sampling.seed is not None and traj.prompt_token_ids
+    assert traj.engine.startswith(f"TorchEngine torch {torch.__version__}"), traj.engine
     again = laminar("replay", str(tmp_path), "--trajectory", traj.trajectory_id)
     print(replayed.stdout, again.stdout, sep="")
     assert again.returncode == 0 and "the same" in again.stdout, again

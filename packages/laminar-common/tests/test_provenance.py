@@ -31,6 +31,7 @@ def _group(prompt: str, version: int, n: int = 3, failed=()) -> RecordedGroup:
             response_token_ids=(4, 5, 6, 7), behaviour_logprobs=(-0.1 / 3, -1e-17, -2.5, -0.7),
             reward=1 / 3 + i, finish_reason="stop", completion=f"answer {i}",
             reward_error="KeyError: 'answer'" if i == 2 else None,
+            engine="TorchEngine torch 2.13.0+cpu",
             sampling=SamplingSpec(max_tokens=9, temperature=1.3, top_p=0.9, top_k=5,
                                   seed=trajectory_seed(3, f"{prompt}#{i}")),
             observation_spans=((1, 2),) if i == 1 else ())

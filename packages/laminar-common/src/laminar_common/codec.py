@@ -60,8 +60,9 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 9
-"""9: a migrated :class:`PromptTask`'s ``kv`` may be a :class:`KvRef` (the cache waits on
+PROTOCOL_VERSION = 10
+"""10: :class:`Trajectory` carries ``engine``, the engine (and its library's version) that
+generated it, for the trainer's step records. 9: a migrated :class:`PromptTask`'s ``kv`` may be a :class:`KvRef` (the cache waits on
 the source worker, and the destination fetches it from there with :class:`KvFetch`,
 answered by the :class:`KvCache` or :class:`KvMissing`). 8: a migrated :class:`PromptTask` may carry its attention cache (:class:`KvCache`), so
 the destination worker skips the re-prefill; :class:`PartialProgress` may carry only the
@@ -332,6 +333,9 @@ class Trajectory(_Msg, tag="trajectory"):
     turn markers), in order and disjoint. They are context for the later turns and are
     never trained on; ``behaviour_logprobs`` holds one value per generated token (the
     response without these ranges), in order. Empty for a single-turn trajectory."""
+    engine: str = ""
+    """The engine that generated it and its library's version (``TorchEngine torch
+    2.13.0+cpu``), as the worker names it; recorded in the trainer's step records."""
 
     @property
     def generated_tokens(self) -> int:

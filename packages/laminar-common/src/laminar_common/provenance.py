@@ -114,7 +114,7 @@ def _schema(pa):
         ("step", pa.int64()), ("group_index", pa.int32()), ("prompt_id", pa.string()),
         ("group_seq", pa.int64()), ("group_size", pa.int32()), ("group_weight", pa.float64()),
         ("group_failed", ints), ("trajectory_id", pa.string()), ("sample_index", pa.int32()),
-        ("worker_id", pa.string()), ("policy_version", pa.int64()), ("staleness", pa.int64()),
+        ("worker_id", pa.string()), ("engine", pa.string()), ("policy_version", pa.int64()), ("staleness", pa.int64()),
         ("reward", pa.float64()), ("reward_error", pa.string()), ("finish_reason", pa.string()),
         ("prompt_token_ids", ints), ("response_token_ids", ints),
         ("behaviour_logprobs", pa.list_(pa.float64())),
@@ -166,7 +166,8 @@ class StepRecordWriter:
                     ("group_seq", group.group_seq), ("group_size", group.group_size),
                     ("group_weight", group.weight), ("group_failed", sorted(group.failed)),
                     ("trajectory_id", traj.trajectory_id), ("sample_index", traj.sample_index),
-                    ("worker_id", traj.worker_id), ("policy_version", traj.policy_version),
+                    ("worker_id", traj.worker_id), ("engine", traj.engine),
+                    ("policy_version", traj.policy_version),
                     ("staleness", version - traj.policy_version), ("reward", traj.reward),
                     ("reward_error", traj.reward_error), ("finish_reason", traj.finish_reason),
                     ("prompt_token_ids", list(traj.prompt_token_ids)),
@@ -231,7 +232,8 @@ def read_step_record(path: str | os.PathLike[str]) -> StepRecord:
             traj = Trajectory(
                 trajectory_id=r["trajectory_id"], prompt_id=r["prompt_id"],
                 group_size=r["group_size"], sample_index=r["sample_index"],
-                worker_id=r["worker_id"], policy_version=r["policy_version"],
+                worker_id=r["worker_id"], engine=r["engine"],
+                policy_version=r["policy_version"],
                 prompt_token_ids=tuple(r["prompt_token_ids"]),
                 response_token_ids=tuple(r["response_token_ids"]),
                 behaviour_logprobs=tuple(r["behaviour_logprobs"]), reward=r["reward"],
@@ -314,7 +316,8 @@ def show_samples(run_dir: str | os.PathLike[str], step: int | None = None,
         error = f" REWARD ERROR {t.reward_error}" if t.reward_error else ""
         out.append(f"\n-- {t.trajectory_id}  reward {t.reward:.3f}{error}  v{t.policy_version} "
                    f"(staleness {staleness})  {len(t.response_token_ids)} response tokens, "
-                   f"{t.finish_reason}, worker {t.worker_id}")
+                   f"{t.finish_reason}, worker {t.worker_id}"
+                   + (f" ({t.engine})" if t.engine else ""))
         prompt = record.prompts.get(t.trajectory_id, "")
         if prompt:
             out.append(f"   prompt:     {clip(prompt)}")

@@ -34,6 +34,7 @@ import collections
 import concurrent.futures
 import logging
 import queue
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -91,6 +92,15 @@ class FetchedVersion:
             release()
 
 
+def engine_label(engine: object) -> str:
+    """``"TorchEngine torch 2.13.0+cpu"``: the engine's class and, for the built-in ones,
+    its library's version (what a step record says generated a trajectory)."""
+    name = type(engine).__name__
+    library = {"TorchEngine": "torch", "VllmEngine": "vllm"}.get(name)
+    version = getattr(sys.modules.get(library or ""), "__version__", "") if library else ""
+    return f"{name} {library} {version}" if version else name
+
+
 def _data_source(task: PromptTask) -> str:
     """The task's ``metadata["data_source"]`` (verl-format rows have one) when it is a
     string the trainer accepts, else "" (a longer one is logged: the trainer would
@@ -117,6 +127,7 @@ class WorkerService(Service):
         self.config = config
         self.worker_id = config.worker_id
         self.engine = engine
+        self._engine_label = engine_label(engine)
         self.tokenizer = tokenizer
         self.fetch_weights = fetch_weights
         self.reward_fn = reward_fn or load_reward_fn(config.reward)
@@ -699,7 +710,7 @@ class WorkerService(Service):
                 reward_error=error, completion=out.completion, simulated=out.simulated,
                 group_seq=task.group_seq, settled_below=task.settled_below,
                 sampling=task.sampling, data_source=_data_source(task),
-                observation_spans=out.observation_spans,
+                observation_spans=out.observation_spans, engine=self._engine_label,
             )
             self.outbox[traj.trajectory_id] = traj
             self._done_since_report.append(traj.trajectory_id)
