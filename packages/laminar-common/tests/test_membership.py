@@ -84,6 +84,17 @@ def test_an_election_is_held_by_the_process_that_won_it_and_fences_publishing():
     check_election_fencing(lambda: InMemoryCoordinator(store, "job", keepalive=False))
 
 
+def test_a_win_whose_answer_was_lost_is_adopted_not_held_forever():
+    store = InMemoryEtcd()
+    a = InMemoryCoordinator(store, "job", keepalive=False)
+    a.register(MemberRecord(member_id="a", role="relay"))
+    # The key went in under a's lease but a never heard back (an etcd error after the put).
+    store.put_if(a.keys.election("master"), b"a", None, a.lease)
+    assert a.owns("master"), "a holds the key under its own lease but does not own it"
+    a.publish_version(VersionRecord(version=1), fence="master")
+    assert a.latest_version().version == 1
+
+
 def test_campaign_needs_registration(store):
     with pytest.raises(CoordinationError):
         InMemoryCoordinator(store, "job").campaign("master", "x")

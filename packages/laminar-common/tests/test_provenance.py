@@ -86,7 +86,16 @@ def test_samples_and_trajectories_are_found_from_a_run_dir(tmp_path):
     writer.write(1, 1, [_group("a", 1)])
     writer.write(2, 2, [_group("b", 1)])
     records_dir, ckpt = find_records(tmp_path / "run")
-    assert records_dir == tmp_path / "run" / "ckpt" / "records" and str(ckpt) == "x"
+    # The default place (no records.dir): the checkpoints are the records' parent, even
+    # where the recorded checkpoint.dir is relative to another working directory.
+    assert records_dir == tmp_path / "run" / "ckpt" / "records"
+    assert ckpt == tmp_path / "run" / "ckpt"
+    elsewhere = StepRecordWriter(tmp_path / "other" / "custom" / "records",
+                                 "records:\n  dir: custom/records\ncheckpoint:\n  dir: ck\n")
+    elsewhere.write(1, 1, [_group("c", 1)])
+    (tmp_path / "other" / "ck").mkdir()
+    assert find_records(tmp_path / "other") == (tmp_path / "other" / "custom" / "records",
+                                                tmp_path / "other" / "ck")
     record, traj = find_trajectory(records_dir, "a#1")
     assert record.step == 1 and traj.observation_spans == ((1, 2),)
     text = show_samples(tmp_path / "run", order="worst", count=2)

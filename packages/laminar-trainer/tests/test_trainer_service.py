@@ -682,3 +682,33 @@ def test_the_step_metrics_split_ratios_and_clipping_by_staleness(tmp_path, model
     assert "stale1_token_frac" not in row and row["staleness_token_mean"] == pytest.approx(1.0)
     for bucket in ("stale0", "stale2"):
         assert 0 <= row[f"{bucket}_clip_frac"] <= 1 and row[f"{bucket}_ratio_mean"] > 0
+
+
+def test_a_paused_trainer_resends_its_weights_as_a_version_newer_than_the_published(
+        tmp_path, model_dir, capsys):
+    from laminar_common.errors import TransportError
+
+    h = Harness(tmp_path, model_dir, total_steps=4, max_unpublished_steps=0,
+                checkpoint={"dir": None})
+    publish = h._publish
+    lost = {"v": 2}
+
+    def dying_master(version, tensors, step):
+        if version == lost["v"]:
+            lost["v"] = -1
+            # The old master made it visible and died before answering: the publisher
+            # sees a failure, and that version can never be published again.
+            h.manager_coord.publish_version(VersionRecord(version=version, trainer_step=step))
+            raise TransportError("master relay-0 failed (simulated: SIGKILL after commit)")
+        publish(version, tensors, step)
+
+    h._publish = dying_master
+    svc = h.start()
+    try:
+        h.send(svc, [t for p in "abcdef" for t in _trajs(p)])
+        assert _wait(lambda: svc.step >= 3, 60), "paused for good: v2 can never be re-sent"
+        out = capsys.readouterr().out
+        assert "PAUSED at step 2" in out and "RESUMED at step 2" in out
+        assert h.published[:3] == [0, 1, 3], h.published
+    finally:
+        svc.close()

@@ -355,8 +355,8 @@ class EtcdCoordinator(Coordinator):
         key = self.keys.weights_latest()
         fenced = None
         if fence is not None:
-            token = self._fences.get(fence)
-            if token is None or fence not in self._elections:
+            token = self._fences.get(fence) if self.owns(fence) else None
+            if token is None:
                 raise FencedError(f"this member does not hold the {fence!r} election (any "
                                   f"more): now {self.leader(fence) or 'nobody'}")
             fenced = (self.keys.election(fence), token)
@@ -387,8 +387,13 @@ class EtcdCoordinator(Coordinator):
 
         ok, _ = self._call("publish version", txn)
         if not ok and fenced is not None:
-            _, held = self._call("get leader", lambda c: c.get(fenced[0]))
-            if held is None or held.create_revision != fenced[1]:
+            raw_held, held = self._call("get leader", lambda c: c.get(fenced[0]))
+            if raw_held is not None and held.lease_id == self._lease_id \
+                    and held.create_revision != fenced[1]:
+                # Still this process's key, won again under a new lease: a new token.
+                self._fences[fence] = held.create_revision
+                return self.publish_version(record, fence)
+            if raw_held is None or held.create_revision != fenced[1]:
                 self._elections.pop(fence, None)
                 raise FencedError(f"this member lost the {fence!r} election before weight "
                                   f"version {record.version} became visible: now "
@@ -435,13 +440,31 @@ class EtcdCoordinator(Coordinator):
         return None if raw is None else decode_leader(raw, key)
 
     def owns(self, name: str) -> bool:
-        return name in self._elections and name in self._fences
+        if name in self._elections and name in self._fences:
+            return True
+        # A campaign whose answer was lost to an etcd error, or a re-registration that
+        # re-won under the new lease before failing: the key is bound to this process's
+        # own lease, so it holds the election; adopt it (else nobody would, ever).
+        key = self.keys.election(name)
+        raw, meta = self._call("get leader", lambda c: c.get(key))
+        with self._state_lock:
+            if raw is None or self._lease_id is None or meta.lease_id != self._lease_id:
+                return False
+            self._elections[name] = raw.decode(errors="replace")
+            self._fences[name] = meta.create_revision
+            return True
 
-    def evict_leader(self, name: str, holder: str) -> bool:
+    def election(self, name: str) -> tuple[str, int] | None:
+        key = self.keys.election(name)
+        raw, meta = self._call("get leader", lambda c: c.get(key))
+        return None if raw is None else (decode_leader(raw, key), meta.lease_id)
+
+    def evict_leader(self, name: str, holder: str, lease: int | None = None) -> bool:
         key = self.keys.election(name)
         raw, meta = self._call("get leader", lambda c: c.get(key))
         if raw is None or raw.decode(errors="replace") != holder or not meta.lease_id \
-                or meta.lease_id == self._lease_id:
+                or meta.lease_id == self._lease_id or (lease is not None
+                                                       and meta.lease_id != lease):
             return False
 
         def revoke(c) -> bool:

@@ -230,15 +230,21 @@ class Coordinator(abc.ABC):
 
     @abc.abstractmethod
     def owns(self, name: str) -> bool:
-        """Whether this member won ``name`` and has not lost it as far as it knows (a
-        previous process with the same member id never counts)."""
+        """Whether this process holds ``name``: it won it, or the key is bound to this
+        process's own lease (a campaign whose answer was lost to an etcd error is
+        adopted). A previous process with the same member id never counts."""
 
     @abc.abstractmethod
-    def evict_leader(self, name: str, holder: str) -> bool:
+    def election(self, name: str) -> tuple[str, int] | None:
+        """``(holder, lease id)`` of singleton ``name``, if held."""
+
+    @abc.abstractmethod
+    def evict_leader(self, name: str, holder: str, lease: int | None = None) -> bool:
         """Revoke the lease of the member holding ``name`` if its value is ``holder``
-        (never this member's own lease): its records and elections vanish at once, as
-        at its lease's expiry. Only for a holder known to be dead (its port refuses
-        connections, or it is this member's own previous process).
+        (and, given ``lease``, only if the key is still bound to that lease; never this
+        member's own lease): its records and elections vanish at once, as at its lease's
+        expiry. Only for a holder known to be dead (its port refuses connections, or it
+        is this member's own previous process).
 
         Returns:
             True if a lease was revoked.
@@ -495,14 +501,23 @@ class InMemoryCoordinator(Coordinator):
             return won
 
     def owns(self, name: str) -> bool:
-        token = self._fences.get(name)
-        return token is not None and token == self.lease
+        with self.store._lock:
+            held = self.store._data.get(self.keys.election(name))
+            if self.lease is not None and held is not None and held[1] == self.lease:
+                self._fences[name] = self.lease  # adopt a win whose answer was lost
+            token = self._fences.get(name)
+            return token is not None and token == self.lease and held is not None \
+                and held[1] == token
 
-    def evict_leader(self, name: str, holder: str) -> bool:
+    def election(self, name: str) -> tuple[str, int] | None:
+        held = self.store._data.get(self.keys.election(name))
+        return None if held is None or held[1] is None else (held[0].decode(), held[1])
+
+    def evict_leader(self, name: str, holder: str, lease: int | None = None) -> bool:
         with self.store._lock:
             held = self.store._data.get(self.keys.election(name))
             if held is None or held[0] != holder.encode() or held[1] is None \
-                    or held[1] == self.lease:
+                    or held[1] == self.lease or (lease is not None and held[1] != lease):
                 return False
             self.store.expire_lease(held[1])
             return True

@@ -106,6 +106,8 @@ class StepRecord:
     path: Path
     prompts: dict[str, str] = field(default_factory=dict)
     """Trajectory id -> its prompt as text (where the trainer had a tokenizer)."""
+    meta: dict[str, str] = field(default_factory=dict)
+    """The file's other metadata (``world_size``: the trainer's ranks)."""
 
 
 def _schema(pa):
@@ -139,13 +141,15 @@ class StepRecordWriter:
 
     def __init__(self, directory: str | os.PathLike[str], config_text: str,
                  keep_steps: int | None = None, compression: str = "zstd",
-                 decode: Callable[[Sequence[int]], str] | None = None) -> None:
+                 decode: Callable[[Sequence[int]], str] | None = None,
+                 meta: dict[str, str] | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.config_text = config_text
         self.keep_steps = keep_steps
         self.compression = compression
         self.decode = decode
+        self.meta = dict(meta or {})
         self.bytes_written = 0
         self.tokens_written = 0
 
@@ -184,7 +188,7 @@ class StepRecordWriter:
                 ):
                     rows[key].append(value)
                 self.tokens_written += len(traj.prompt_token_ids) + len(traj.response_token_ids)
-        meta = {"format": FORMAT, "step": str(step), "version": str(version),
+        meta = {**self.meta, "format": FORMAT, "step": str(step), "version": str(version),
                 "config": self.config_text}
         table = pa.table(rows, schema=_schema(pa).with_metadata(meta))
         out = record_path(self.directory, step)
@@ -257,7 +261,8 @@ def read_step_record(path: str | os.PathLike[str]) -> StepRecord:
         group.members[traj.sample_index] = traj
         if r["prompt"]:
             prompts[traj.trajectory_id] = r["prompt"]
-    return StepRecord(step, version, config, [groups[i] for i in sorted(groups)], path, prompts)
+    return StepRecord(step, version, config, [groups[i] for i in sorted(groups)], path, prompts,
+                      meta)
 
 
 def find_records(run_dir: str | Path) -> tuple[Path, Path]:
@@ -270,10 +275,15 @@ def find_records(run_dir: str | Path) -> tuple[Path, Path]:
     run = Path(run_dir)
     for cand in (run / "records", run / "trainer" / "records", run / "ckpt" / "records",
                  run / "trainer" / "ckpt" / "records", *run.glob("**/records")):
-        if cand.is_dir() and records_in(cand):
-            record = read_step_record(next(iter(records_in(cand).values())))
-            ckpt = (record.config.get("checkpoint") or {}).get("dir")
-            return cand, Path(ckpt) if ckpt else cand.parent
+        found = records_in(cand) if cand.is_dir() else {}
+        if found:
+            record = read_step_record(list(found.values())[-1])
+            if not (record.config.get("records") or {}).get("dir"):
+                return cand, cand.parent  # the default place: checkpoint.dir/records
+            ckpt = Path((record.config.get("checkpoint") or {}).get("dir") or cand.parent)
+            if not ckpt.is_absolute() and not ckpt.is_dir():
+                ckpt = run / ckpt  # a job file's relative path, from elsewhere
+            return cand, ckpt
     raise LaminarError(f"no step records under {run} (records.enabled in the trainer config; "
                        "they are written to checkpoint.dir/records or run_dir/records)")
 

@@ -308,7 +308,10 @@ def check_election_fencing(make: Callable[[], Any]) -> None:
     again = make()
     again.register(MemberRecord(member_id="a", role="relay"))
     assert again.leader("master") == "a" and not again.owns("master")
-    assert again.evict_leader("master", "a"), "the earlier process's lease was not revoked"
+    holder, lease = again.election("master")
+    assert holder == "a" and not again.evict_leader("master", "a", lease + 1), \
+        "a lease other than the one named was revoked"
+    assert again.evict_leader("master", "a", lease), "the earlier process's lease was not revoked"
     assert again.leader("master") is None and not again.evict_leader("master", "a")
     try:
         first.publish_version(VersionRecord(version=2), fence="master")

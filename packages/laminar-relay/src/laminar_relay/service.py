@@ -209,7 +209,9 @@ class RelayService(Service):
         self.master_id: str | None = None
         self.chain: list[str] = []
         self.upstream_id = ""
-        self._master_address = ""
+        self._probe_target: tuple[str, str, int] | None = None
+        """(master id, its address, the election key's lease) for the master probe, when
+        this relay is the one after the master in the chain."""
         self._wake = threading.Event()
         self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
         self._channels_lock = threading.Lock()
@@ -360,19 +362,22 @@ class RelayService(Service):
             self.store.maintain(self._session_idle_s)
 
     def _refresh(self) -> None:
-        leader = self.coordinator.leader(MASTER_ELECTION)
+        held = self.coordinator.election(MASTER_ELECTION)
+        leader = held[0] if held else None
         if leader == self.member_id and not self.coordinator.owns(MASTER_ELECTION):
             # An earlier process of this relay (same member id, now dead: this one
             # replaced its record) still holds the election under its lease.
-            if self.coordinator.evict_leader(MASTER_ELECTION, leader):
+            if self.coordinator.evict_leader(MASTER_ELECTION, leader, held[1]):
                 self.takeovers += 1
                 log.warning("relay %s: the master election was held by an earlier process "
                             "of this relay; revoked its lease", self.member_id)
-            leader = self.coordinator.leader(MASTER_ELECTION)
+            held = self.coordinator.election(MASTER_ELECTION)
+            leader = held[0] if held else None
         if leader is None and self.coordinator.registered:
             if self.coordinator.campaign(MASTER_ELECTION, self.member_id):
                 log.info("relay %s won the master election", self.member_id)
-            leader = self.coordinator.leader(MASTER_ELECTION)
+            held = self.coordinator.election(MASTER_ELECTION)
+            leader = held[0] if held else None
         members = self.coordinator.members(RELAY_ROLE)
         chain = order_chain(members, leader)
         upstream, downstream = neighbours(chain, self.member_id)
@@ -390,7 +395,12 @@ class RelayService(Service):
             log.info("chain: %s", " -> ".join(ids) or "(empty)")
         self.chain = ids
         self.upstream_id = upstream.member_id if upstream else ""
-        self._master_address = next((m.address for m in chain if m.member_id == leader), "")
+        # One value the probe reads whole: the master it may check, where, under which
+        # lease (a torn read could pair a new master with the dead one's address).
+        address = next((m.address for m in chain if m.member_id == leader), "")
+        self._probe_target = (leader, address, held[1]) \
+            if held and upstream is not None and upstream.member_id == leader and address \
+            and not self.is_master else None
         assert self.forwarder is not None
         self.forwarder.set_downstream(downstream)
 
@@ -398,13 +408,16 @@ class RelayService(Service):
         """The relay after the master in the chain: a master port that refuses
         connections is a dead master; revoke its lease and take over now."""
         while not self.stopping.wait(self._master_probe_interval_s):
-            master, upstream, address = self.master_id, self.upstream_id, self._master_address
-            if self.is_master or not master or upstream != master or not address:
+            target = self._probe_target
+            if target is None:
                 continue
+            master, address, lease = target
             if not _refuses(address) or not _refuses(address):  # a second look
                 continue
             try:
-                revoked = self.coordinator.evict_leader(MASTER_ELECTION, master)
+                # Only the lease seen with that address: a master restarted since (a new
+                # process, a new lease) is not touched.
+                revoked = self.coordinator.evict_leader(MASTER_ELECTION, master, lease)
             except LaminarError as exc:
                 log.warning("relay %s: master %s refuses connections at %s but its lease "
                             "could not be revoked (%s); waiting for it to expire",

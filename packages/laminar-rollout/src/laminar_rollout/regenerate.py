@@ -62,18 +62,35 @@ class Regenerated:
                 "library version, or weights that are not the ones the worker loaded")
 
 
-def _weights_of(version: int, ckpt_dir: Path, model_dir: str) -> tuple[str, Path]:
+def _weights_of(version: int, ckpt_dir: Path, cfg: dict) -> tuple[str, Path]:
+    """The weights published as ``version``: the checkpoint of the step that published
+    it (its trainer state names the version, and the step is one that publishes), or,
+    for version 0, the job's initial model."""
     import json
 
-    for path in sorted(ckpt_dir.glob("step-*")):
+    every, total = int(cfg.get("publish_every", 1)), int(cfg.get("total_steps", 0))
+    for path in sorted(p for p in ckpt_dir.glob("step-*")
+                       if p.is_dir() and not p.name.endswith(".tmp")):
         state = path / "trainer_state" / "trainer.json"
-        if path.is_dir() and state.is_file() and \
-                json.loads(state.read_text()).get("version") == version:
-            return f"checkpoint {path.name}", path / "model"
-    if version == 0:
-        return f"the initial model {model_dir}", Path(model_dir)
-    raise LaminarError(f"no checkpoint in {ckpt_dir} holds weight version {version} (keep "
-                       "more checkpoints, checkpoint.keep, to regenerate older trajectories)")
+        if not state.is_file():
+            continue
+        saved = json.loads(state.read_text())
+        if saved.get("version") != version or not (
+                saved.get("step", -1) % every == 0 or saved.get("step") == total):
+            continue
+        if not (path / "model" / "config.json").is_file():
+            raise LaminarError(f"checkpoint {path} holds version {version} but no model "
+                               "directory (a sharded checkpoint: laminar-trainer export it "
+                               "first)")
+        return f"checkpoint {path.name}", path / "model"
+    model_dir = Path(cfg["model_dir"])
+    if version == 0 and (model_dir / "config.json").is_file():
+        return f"the initial model {model_dir}", model_dir
+    raise LaminarError(f"no checkpoint in {ckpt_dir} holds the weights published as version "
+                       f"{version} (keep more checkpoints, checkpoint.keep; a resumed run "
+                       "publishes its checkpoint's weights as a new version no checkpoint "
+                       "names)" + ("" if version else f"; the initial model {model_dir} is "
+                                   "not there"))
 
 
 def regenerate(run_dir: str | Path, trajectory_id: str, dtype: str = "float32") -> Regenerated:
@@ -100,7 +117,7 @@ def regenerate(run_dir: str | Path, trajectory_id: str, dtype: str = "float32") 
         raise LaminarError(f"trajectory {trajectory_id} is multi-turn: its tool results came "
                            "from its environment; only single-turn ones are regenerated")
     cfg = record.config
-    where, source = _weights_of(traj.policy_version, ckpt_dir, cfg["model_dir"])
+    where, source = _weights_of(traj.policy_version, ckpt_dir, cfg)
     published = getattr(torch, cfg.get("publish_dtype", "float32"))
     engine = TorchEngine(cfg["model_dir"], max_batch=1, dtype=getattr(torch, dtype),
                          weight_version=0)

@@ -94,6 +94,10 @@ def replay_step(records_dir: Path, ckpt_dir: Path, step: int) -> ReplayResult:
     cfg = _config(record)
     if cfg.simulate is not None:
         raise LaminarError(f"step {step} was a simulated step (simulate): nothing to replay")
+    if int(record.meta.get("world_size", "1")) > 1:
+        raise LaminarError(f"step {step} was trained by {record.meta['world_size']} FSDP "
+                           "ranks: a replay in one process does not reproduce their "
+                           "reduction order; not replayable")
     if cfg.optim.stream:
         raise LaminarError(f"step {step} streamed its mini-batches (optim.stream): its "
                            "groups came while it trained, in an order the record does not "

@@ -385,7 +385,8 @@ class TrainerService(Service):
         tok = self.tokenizer
         writer = StepRecordWriter(
             where, dump_config(cfg), cfg.records.keep_steps,
-            decode=None if tok is None else lambda ids: tok.decode(list(ids)))
+            decode=None if tok is None else lambda ids: tok.decode(list(ids)),
+            meta={"world_size": str(self.dist.world_size if self.dist is not None else 1)})
         writer.drop_after(self.step)
         return writer
 
@@ -594,12 +595,26 @@ class TrainerService(Service):
             if publisher.idle() and publisher.stats.last_version < self.version \
                     and now - resent >= 1.0:
                 resent = now
-                self._publish()  # the send gave up (publish_timeout_s): these weights again
+                self._resend_weights()
             self.stopping.wait(0.05)
         if t0 is not None and not self.stopping.is_set():
             print(f"RESUMED at step {self.step} after {time.monotonic() - t0:.1f}s paused: "
                   f"weights v{publisher.stats.last_version} published", flush=True)
         return not self.stopping.is_set()
+
+    def _resend_weights(self) -> None:
+        """The send gave up (``publish_timeout_s``, or a version the relays refused as
+        not newer: a dead master made it visible before it could answer): these weights
+        again, as a version newer than the published one."""
+        try:
+            latest = self.coordinator.latest_version()
+        except LaminarError as exc:
+            log.warning("paused for publishing: etcd does not answer (%s); re-sending "
+                        "weights v%d as they are", exc, self.version)
+            latest = None
+        if latest is not None and latest.version >= self.version:
+            self.version = latest.version + 1
+        self._publish()
 
     def _wait_for(self, n_groups: int) -> bool:
         """Block until ``n_groups`` groups are ready; False if the trainer is stopping.
@@ -725,7 +740,15 @@ class TrainerService(Service):
         if self.records is None:
             return 0.0
         t0 = time.monotonic()
-        self.records.write(self.step, version, groups)
+        try:
+            self.records.write(self.step, version, groups)
+        except (OSError, ValueError, LaminarError) as exc:
+            # Provenance must not end a run: say so where the user looks, and go on.
+            print(f"STEP RECORDS OFF at step {self.step}: cannot write to "
+                  f"{self.records.directory}: {exc}; steps from here are not recorded "
+                  "(records.enabled / records.dir)", flush=True)
+            log.error("step record of step %d not written: %s", self.step, exc)
+            self.records = None
         return time.monotonic() - t0
 
     def _train(self, groups: list[Group]) -> tuple[StepResult, float]:

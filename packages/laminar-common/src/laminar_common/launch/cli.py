@@ -212,6 +212,8 @@ def replay(run_dir: str, step: int | None, trajectory: str | None, dtype: str) -
     import subprocess
     import sys
 
+    if trajectory is not None and step is not None:
+        raise click.UsageError("give --step or --trajectory, not both")
     if trajectory is not None:
         module, args = "laminar_rollout.regenerate", ["--trajectory", trajectory, "--dtype", dtype]
     else:

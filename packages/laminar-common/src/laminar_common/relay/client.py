@@ -474,6 +474,11 @@ class RelayClient:
                 layout, buffers, delta = self._delta_candidate(layout, buffers, full)
             for attempt in range(1, self.max_attempts + 1):
                 relay = self._master(deadline)
+                if attempt > 1 and superseded is not None and superseded():
+                    # Newer weights queued while a new master was elected: send those.
+                    raise PublishSuperseded(
+                        f"publish of weight version {version} given up before attempt "
+                        f"{attempt}: a newer version waits to be published") from last
                 sent_layout, sent_buffers = layout, buffers
                 if delta is not None and delta[0].base_version >= 0 \
                         and self._delta_base is not None \
