@@ -28,11 +28,8 @@ def _option_envvars(command_name: str) -> dict[str, str]:
 
 
 def test_the_commands_and_their_options_are_those_of_before():
-    assert sorted(cli.commands) == ["export", "replay", "run", "samples", "warmstart",
-                                    "warmstart-chat"]
+    assert sorted(cli.commands) == ["export", "replay", "run", "warmstart", "warmstart-chat"]
     assert set(_option_envvars("replay")) == {"--step"}
-    assert set(_option_envvars("samples")) == {"--step", "--worst", "--best", "--longest",
-                                               "--count", "--width"}
     assert set(_option_envvars("warmstart-chat")) == {
         "--out", "--steps", "--difficulty", "--demo-error-rate", "--seed", "--force"}
     assert set(_option_envvars("export")) == {"--out", "--dtype", "--force"}

@@ -237,30 +237,6 @@ def replay(run_dir: str, step: int | None) -> int:
     return replay_main([run_dir, *(["--step", str(step)] if step is not None else [])])
 
 
-@cli.command(short_help="show what steps trained on: prompts, completions, rewards",
-             help="Print trajectories of a run's step records (RUN_DIR: the job's or the "
-                  "trainer's run directory): prompt and completion text, reward, version, "
-                  "staleness, worker. Default: the newest step's, group by group.")
-@click.argument("run_dir", type=click.Path(exists=True))
-@_option("--step", type=int, default=None, help="this step (default: the newest recorded)")
-@_option("--worst", "order", flag_value="worst", help="lowest rewards first")
-@_option("--best", "order", flag_value="best", help="highest rewards first")
-@_option("--longest", "order", flag_value="longest", help="longest responses first")
-@_option("--count", "-n", type=int, default=8, show_default=True, help="trajectories shown")
-@_option("--width", type=int, default=400, show_default=True,
-         help="characters of each prompt and completion shown")
-def samples(run_dir: str, step: int | None, order: str | None, count: int, width: int) -> int:
-    from laminar_common.errors import LaminarError
-    from laminar_common.provenance import show_samples
-
-    try:
-        print(show_samples(run_dir, step, order, count, width))
-    except LaminarError as exc:
-        print(f"laminar-trainer samples: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """``laminar-trainer`` on ``argv`` (default ``sys.argv[1:]``): its exit code (:func:`clitools.run`)."""
     return clitools.run(cli, argv, "laminar-trainer")
