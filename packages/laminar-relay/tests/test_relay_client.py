@@ -72,7 +72,7 @@ def test_bad_arguments_are_refused(make_client):
         client.publish(-1, tensors_for(1))
 
 
-def test_a_first_relay_that_does_not_answer_is_read_from_last(etcd, make_relay, make_client,
+def test_a_first_relay_that_does_not_answer_is_left_out_of_the_read(etcd, make_relay, make_client,
                                                               caplog):
     import socket
 
@@ -100,5 +100,11 @@ def test_a_first_relay_that_does_not_answer_is_read_from_last(etcd, make_relay, 
         assert bytes(fetched.tensors()["layer.weight"]) == tensors_for(1)[0][3]
     assert took < 5.0, took  # not the 30 s a read waiting at the paused relay would take
     assert "relay paused does not answer" in caplog.text
+    # A version the live relay lacks: the read fails at once, not after a call to the
+    # paused relay (tried last, it held the worker for its whole call deadline).
+    t0 = time.monotonic()
+    with pytest.raises(VersionNotFoundError):
+        reader.fetch(0, wait_s=30.0)  # older than anything held: no wait for it
+    assert time.monotonic() - t0 < 5.0
     paused.crash()
     silent.close()

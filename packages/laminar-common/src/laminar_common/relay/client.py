@@ -23,7 +23,8 @@ Behaviour under failure:
 - A fetch tries the local relay (waiting up to ``wait_s`` for a version it is
   still receiving), then the master, then the other relays. A first relay that
   does not answer a health call within ``probe_timeout_s`` (paused, cut off) is
-  tried last, so a paused master does not hold its readers for a whole deadline.
+  left out of that read, so a paused relay does not hold its readers for a call
+  deadline.
 
 Invariants: a :class:`FetchedWeights` is always a complete version whose
 chunks were verified (by the relay that stored it, and by this client when the
@@ -265,7 +266,7 @@ class RelayClient:
             the published version, kept as the next delta's base.
         probe_timeout_s: before a read that may wait at its first relay, that relay
             must answer a health call within this; one that does not (paused, cut off)
-            is tried last.
+            is left out of the read (where another relay is there to read from).
     """
 
     def __init__(
@@ -729,11 +730,11 @@ class RelayClient:
             raise TransportError("no relay is registered for this job")
         if len(candidates) > 1 and wait_s > 0 and not self._answers(candidates[0]):
             # The first relay may wait ``wait_s`` for a version still on its way; one
-            # that does not answer at all (paused, cut off) would hold the read for its
-            # whole deadline. Try it last, without waiting.
-            log.info("relay %s does not answer within %.1fs; reading from the others first",
+            # that does not answer at all (paused, cut off) would hold the read for a
+            # whole call deadline, first or last. This read goes without it.
+            log.info("relay %s does not answer within %.1fs; reading from the others",
                      candidates[0].member_id, self.probe_timeout_s)
-            candidates = [*candidates[1:], candidates[0]]
+            candidates = candidates[1:]
         errors: list[str] = []
         last: LaminarError | None = None
         for i, ref in enumerate(candidates):
