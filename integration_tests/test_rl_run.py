@@ -107,7 +107,7 @@ def test_a_step_replays_bit_exact_and_a_seeded_trajectory_regenerates(etcd, spaw
     from the checkpoint of step 2 and its record, bit-exact against the checkpoint of
     step 3, and ``laminar replay --trajectory`` generates one of its trajectories again
     on the torch engine: the same tokens, the same log-probs to float rounding."""
-    from laminar_common.provenance import read_step_record
+    from laminar_common.data.provenance import read_step_record
 
     job = "rl-replay"
     run_dir, ckpt, state_dir = tmp_path / "trainer", tmp_path / "ckpt", tmp_path / "manager"

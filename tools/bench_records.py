@@ -4,7 +4,7 @@ Builds the demo's model shape (random init, ``laminar_trainer.demo_model``), mak
 batch of random trajectories of the demo job's shape (or ``--groups``, ``--group-size``,
 ``--prompt-tokens``, ``--response-tokens``), and times ``--steps`` pairs of real GRPO
 steps (``train_step``) on the same batch, one writing the step's record
-(``laminar_common.provenance``, zstd Parquet) and one not, in alternating order. Prints the record's size per token, its write
+(``laminar_common.data.provenance``, zstd Parquet) and one not, in alternating order. Prints the record's size per token, its write
 time, and the ratio of the step time with records to without. The trajectories are
 SIMULATED (random tokens and rewards); the model, the optimizer step and the writes
 are real.
@@ -23,7 +23,7 @@ import time
 import torch
 
 from laminar_common.codec import SamplingSpec, Trajectory, trajectory_seed
-from laminar_common.provenance import StepRecordWriter
+from laminar_common.data.provenance import StepRecordWriter
 from laminar_trainer.buffer import Group
 from laminar_trainer.config import TrainerConfig
 from laminar_trainer.demo_model import build_tiny_model, build_tokenizer

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from laminar_common.codec import SamplingSpec, Trajectory, trajectory_seed
-from laminar_common.errors import LaminarError
-from laminar_common.provenance import (
+from laminar_common.data.provenance import (
     RecordedGroup,
     StepRecordWriter,
     find_records,
@@ -15,6 +14,7 @@ from laminar_common.provenance import (
     records_in,
     show_samples,
 )
+from laminar_common.errors import LaminarError
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -1,7 +1,7 @@
 """Generate a recorded trajectory again, from its seed and its weight version.
 
 ``laminar replay RUN_DIR --trajectory ID`` finds the trajectory in the trainer's step
-records (``laminar_common.provenance``), takes the weights of its policy version from the
+records (``laminar_common.data.provenance``), takes the weights of its policy version from the
 trainer's checkpoints (the checkpoint whose version it is; version 0 is the job's
 initial model), casts them to the dtype the trainer published (what the workers
 loaded), loads them into a torch engine and samples the prompt again with the
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from laminar_common.codec import Trajectory
+from laminar_common.data.provenance import find_records, find_trajectory
 from laminar_common.errors import LaminarError
-from laminar_common.provenance import find_records, find_trajectory
 
 __all__ = ["Regenerated", "regenerate", "main"]
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from laminar_common.data.provenance import find_records, read_step_record, records_in
 from laminar_common.errors import LaminarError
-from laminar_common.provenance import find_records, read_step_record, records_in
 
 from .buffer import Group
 from .config import TrainerConfig

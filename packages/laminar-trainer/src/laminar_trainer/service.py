@@ -58,11 +58,11 @@ from laminar_common.consume.validation import (
     Invalid,
     check_trajectory,
 )
+from laminar_common.data.provenance import StepRecordWriter
 from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
-from laminar_common.provenance import StepRecordWriter
 from laminar_common.roles import Extra, Role, State
 from laminar_common.service import Service
 from laminar_common.status import StatusWriter

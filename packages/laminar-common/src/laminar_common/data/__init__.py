@@ -7,6 +7,8 @@
 - :mod:`.rewards`: the reward function contract ``fn(prompt, completion, metadata)``,
   the built-ins (``math`` on math-verify, ``gsm8k``, ``exact``) and ``module:function``
   loading.
+- :mod:`.provenance`: step records, what each trainer step trained on (Parquet), read
+  back for ``laminar samples`` and ``laminar replay``.
 
 Part of laminar-common's layout: it imports the core only, never ``relay``,
 ``launch`` or ``consume``.

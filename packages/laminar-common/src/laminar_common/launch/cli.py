@@ -185,8 +185,8 @@ def report(run_dir: str) -> int:
 @_option("--width", type=int, default=400, show_default=True,
               help="characters of each prompt and completion shown")
 def samples(run_dir: str, step: int | None, order: str | None, count: int, width: int) -> int:
+    from laminar_common.data.provenance import show_samples
     from laminar_common.errors import LaminarError
-    from laminar_common.provenance import show_samples
 
     try:
         print(show_samples(run_dir, step, order, count, width))
