@@ -56,9 +56,17 @@ from laminar_common.launch.processes import ChildProcess
 from laminar_common.launch.readiness import wait_ready
 from laminar_common.launch.tasks import make_task_records, write_jsonl
 from laminar_common.membership import MemberRecord
+from laminar_common.testing.hosts import EmulatedHosts, start_etcd, unavailable
 
 FAULTS = ("worker-kill", "worker-stop", "relay-kill", "relay-stop", "manager-kill",
           "manager-stop", "trainer-kill", "trainer-stop", "trainer-term", "etcd-pause")
+LINK_FAULTS = ("worker-cut", "worker-cut-trainer", "worker-slow", "relay-cut", "master-cut",
+               "manager-cut", "trainer-cut-relays", "etcd-cut")
+"""Faults of links, with ``--hosts`` only (every tier on an emulated host of its own): a
+host cut from every other (``-cut``) or from some (``worker-cut-trainer``: a worker that
+still reaches etcd and the manager but not the trainer; ``trainer-cut-relays``) for 2 x
+TTL, then healed; ``worker-slow``: a worker's link at 1 Mbit/s for 4 x TTL."""
+SLOW_MBIT = 1.0
 MASTER_FAULTS = ("master-kill", "master-stop")
 """Faults of the master relay in particular (``--faults master-kill,master-stop``: the
 relay-failover benchmark); the random draw above hits it one time in ``--relays``."""
@@ -76,7 +84,20 @@ class Stack:
         self.root, self.args, self.ttl = root, args, args.ttl_s
         (root / "logs").mkdir(parents=True, exist_ok=True)
         self.run_dir, self.state_dir = root / "trainer", root / "manager"
-        self.etcd = LocalEtcd().start()
+        self.hosts: EmulatedHosts | None = None
+        if getattr(args, "hosts", False):
+            # Every tier on a host of its own (a network namespace, its link capped).
+            names = ["etcd", "manager", "trainer", *[f"relay-{i}" for i in range(args.relays)],
+                     *[f"worker-{i}" for i in range(args.workers)]]
+            self.hosts = EmulatedHosts(names, rate_mbit=args.link_mbit).start()
+            try:
+                self.etcd, self.etcd_local = start_etcd(self.hosts, "etcd", str(root / "etcd"))
+            except BaseException:
+                self.hosts.close()
+                raise
+        else:
+            self.etcd = LocalEtcd().start()
+            self.etcd_local = self.etcd.endpoint
         self.etcd_paused = False
         self.cmds: dict[str, list[str]] = {}
         self.procs: dict[str, ChildProcess] = {}
@@ -84,11 +105,19 @@ class Stack:
         self.incidents: list[dict] = []
         self.t0 = time.time()
         try:
-            self.watch = EtcdCoordinator([self.etcd.endpoint], JOB, ttl_s=self.ttl,
+            self.watch = EtcdCoordinator([self.etcd_local], JOB, ttl_s=self.ttl,
                                          connect_timeout_s=20, rpc_timeout_s=1.0)
         except LaminarError:
             self.etcd.close()
+            if self.hosts is not None:
+                self.hosts.close()
             raise
+
+    def listen(self, name: str) -> list[str]:
+        """Where tier ``name`` binds and what host it says it is on."""
+        if self.hosts is None:
+            return ["--set", "bind_host=127.0.0.1", "--set", "advertise_host=127.0.0.1"]
+        return ["--set", f"bind_host={self.hosts.address(name)}", "--set", f"host_id={name}"]
 
     def common(self) -> list[str]:
         return ["--set", f"job={JOB}", "--set", f"etcd.endpoints=[{self.etcd.endpoint}]",
@@ -100,9 +129,9 @@ class Stack:
         write_jsonl(prompts, make_task_records("sort", 2000, a.seed))
         for i in range(a.relays):
             self.cmds[f"relay-{i}"] = ["laminar_relay.cli", "serve", *c, "--set",
-                                       f"member_id=relay-{i}", "--set", "bind_host=127.0.0.1",
-                                       "--set", "advertise_host=127.0.0.1"]
-        self.cmds["manager"] = ["laminar_rollout.cli", "manage", *c, "--set", f"prompts={prompts}",
+                                       f"member_id=relay-{i}", *self.listen(f"relay-{i}")]
+        self.cmds["manager"] = ["laminar_rollout.cli", "manage", *c, *self.listen("manager"),
+                                "--set", f"prompts={prompts}",
                                 "--set", "group_size=2", "--set", "batch_groups=2",
                                 "--set", "epochs=1000", "--set", "sampling.max_tokens=48",
                                 "--set", f"state_dir={self.state_dir}",
@@ -110,12 +139,13 @@ class Stack:
         for i in range(a.workers):
             self.cmds[f"worker-{i}"] = [
                 "laminar_rollout.cli", "serve", *c, "--set", f"worker_id=worker-{i}",
+                *(["--set", f"host_id=worker-{i}"] if self.hosts else []),
                 "--set", "engine.type=simulated", "--set", "engine.max_batch=4",
                 "--set", "engine.median_length=8", "--set", "engine.max_length=48",
                 "--set", "engine.step_time_base=0.003", "--set", "report_interval_s=0.1"]
         # total_steps far beyond what the soak can reach: the trainer never finishes.
         self.cmds["trainer"] = [
-            "laminar_trainer.cli", "run", *c, "--set", "trainer_id=trainer",
+            "laminar_trainer.cli", "run", *c, *self.listen("trainer"), "--set", "trainer_id=trainer",
             "--set", f"simulate.step_s={a.step_s}", "--set", "simulate.weight_bytes=262144",
             "--set", "batch_groups=2", "--set", "total_steps=10000000",
             "--set", f"run_dir={self.run_dir}", "--set", f"checkpoint.dir={self.root / 'ckpt'}",
@@ -129,6 +159,8 @@ class Stack:
 
     def spawn(self, name: str, resume: bool = False) -> None:
         cmd = [sys.executable, "-m", *self.cmds[name], *(["--resume"] if resume else [])]
+        if self.hosts is not None:
+            cmd = self.hosts.cmd(name, cmd)
         self.procs[name] = ChildProcess(name, cmd, str(self.root / "logs" / f"{name}.log"))
 
     def ready(self, name: str, timeout_s: float = 60) -> MemberRecord | None:
@@ -199,6 +231,9 @@ class Stack:
         """
         if self.etcd_paused:
             self.signal("etcd", signal.SIGCONT)
+        if self.hosts is not None:
+            for name in self.hosts.cuts():
+                self.hosts.heal(name)
         for name in list(self.stopped):
             self.signal(name, signal.SIGCONT)
         order = sorted(self.procs, key=lambda n: (n == "manager", n.startswith("relay"),
@@ -207,6 +242,8 @@ class Stack:
                  for n in order}
         self.watch.close()
         self.etcd.close()
+        if self.hosts is not None:
+            self.hosts.close()
         return codes
 
 
@@ -217,8 +254,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def inject(stack: Stack, kind: str, rng: random.Random, pending: list[dict]) -> dict:
-    """Apply one fault (blocking through a stop) and return its record."""
-    tier, action = kind.split("-")
+    """Apply one fault (blocking through a stop, a cut or a slow spell) and return its record."""
+    tier, action = kind.split("-", 1)
     if tier == "master":
         tier, target = "relay", stack.master()
     else:
@@ -237,6 +274,8 @@ def inject(stack: Stack, kind: str, rng: random.Random, pending: list[dict]) -> 
         if tier == "trainer" and rows and resumed_at is not None:
             # Steps after the checkpoint it resumed from are trained again: wasted.
             rec["rolled_back_steps"] = max(0, rows[-1]["step"] - resumed_at)
+    elif action.startswith("cut") or action == "slow":
+        link_fault(stack, target, action, pending)
     else:
         stack.signal(target, signal.SIGSTOP)
         idle(stack, 2 * stack.ttl, pending)
@@ -246,6 +285,29 @@ def inject(stack: Stack, kind: str, rng: random.Random, pending: list[dict]) -> 
         rec["old_incarnation"] = before.get(target)
         pending.append(rec)
     return rec
+
+
+def link_fault(stack: Stack, target: str, action: str, pending: list[dict]) -> None:
+    """Cut ``target``'s host (from everything, or from the hosts ``action`` names) for
+    2 x TTL, or slow its link to SLOW_MBIT for 4 x TTL; then heal it."""
+    hosts = stack.hosts
+    if hosts is None:
+        raise LaminarError(f"link fault {action} of {target} needs --hosts")
+    if action == "slow":
+        rate = hosts.rate(target)
+        hosts.cap(target, SLOW_MBIT)
+        try:
+            idle(stack, 4 * stack.ttl, pending)
+        finally:
+            hosts.cap(target, rate)
+        return
+    peers = {"cut": None, "cut-trainer": ["trainer"],
+             "cut-relays": sorted(n for n in stack.procs if n.startswith("relay"))}[action]
+    hosts.cut(target, peers)
+    try:
+        idle(stack, 2 * stack.ttl, pending)
+    finally:
+        hosts.heal(target)
 
 
 def idle(stack: Stack, seconds: float, pending: list[dict]) -> None:
@@ -396,15 +458,15 @@ def report(r: dict) -> None:
           f"(+{r['steps_rolled_back']} rolled back by resumes), useful training time "
           f"{r['useful_fraction']:.3f}, max step gap {r['max_gap_s']} s")
     if r["faults"]:
-        print(f"{'t (s)':>7} {'fault':<13} {'target':<9} {'next step':>9} {'max gap':>8} "
+        print(f"{'t (s)':>7} {'fault':<18} {'target':<9} {'next step':>9} {'max gap':>8} "
               f"{'member back':>11}")
         for f in r["faults"]:
-            print(f"{f['t']:>7.1f} {f['kind']:<13} {f['target']:<9} {_s(f['next_step_s']):>9} "
+            print(f"{f['t']:>7.1f} {f['kind']:<18} {f['target']:<9} {_s(f['next_step_s']):>9} "
                   f"{_s(f['max_gap_s']):>8} {_s(f.get('member_back_s', '-')):>11}")
         counts = sorted(r["fault_counts"].items())
         print("faults by kind: " + ", ".join(f"{k} {v}" for k, v in counts))
         for kind, gaps in sorted(r["gaps_by_kind"].items()):
-            print(f"  {kind:<13} longest step gap after it: max {max(gaps):.2f} s, "
+            print(f"  {kind:<18} longest step gap after it: max {max(gaps):.2f} s, "
                   f"median {sorted(gaps)[len(gaps) // 2]:.2f} s over {len(gaps)}")
     print(f"trajectories: consumed {e.get('consumed', 0)}, lost {e.get('lost', '?')}, "
           f"duplicated {e.get('duplicated', '?')}, in two ledger states "
@@ -437,14 +499,25 @@ def main() -> int:
                    help="run a no-fault baseline of the same length first; print the ratio")
     p.add_argument("--require-useful", type=float, default=None, metavar="FRACTION",
                    help="exit 1 unless useful time (ratio to the baseline if any) reaches this")
-    p.add_argument("--faults", default=",".join(FAULTS),
+    p.add_argument("--faults", default=None,
                    help=f"comma-separated faults to draw from (default: all of {', '.join(FAULTS)}"
-                        f"; also {', '.join(MASTER_FAULTS)})")
+                        f", and with --hosts also {', '.join(LINK_FAULTS)}; "
+                        f"also {', '.join(MASTER_FAULTS)})")
+    p.add_argument("--hosts", action="store_true",
+                   help="every tier on an emulated host of its own (a network namespace, "
+                        "needs root), links capped at --link-mbit; allows link faults")
+    p.add_argument("--link-mbit", type=float, default=1000.0,
+                   help="with --hosts: every host's link rate each way, Mbit/s (default 1000)")
     args = p.parse_args()
-    args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
-    unknown = sorted(set(args.faults) - set(FAULTS) - set(MASTER_FAULTS))
+    if args.hosts and unavailable():
+        p.error(f"--hosts: {unavailable()}")
+    default = FAULTS + LINK_FAULTS if args.hosts else FAULTS
+    args.faults = [f.strip() for f in (args.faults or ",".join(default)).split(",") if f.strip()]
+    known = FAULTS + MASTER_FAULTS + (LINK_FAULTS if args.hosts else ())
+    unknown = sorted(set(args.faults) - set(known))
     if unknown or not args.faults:
-        p.error(f"--faults: unknown {unknown}; choose from {', '.join(FAULTS + MASTER_FAULTS)}")
+        p.error(f"--faults: unknown {unknown}; choose from {', '.join(known)}"
+                + ("" if args.hosts else f" ({', '.join(LINK_FAULTS)} need --hosts)"))
     if args.minutes <= 0 or args.interval_s <= 0 or args.workers < 1 or args.relays < 1:
         p.error("--minutes and --interval-s must be > 0, --workers and --relays >= 1")
     out = Path(args.out).resolve()

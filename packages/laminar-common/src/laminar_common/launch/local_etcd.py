@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from laminar_common.auth import (
@@ -90,12 +91,21 @@ class LocalEtcd:
             ``laminar keys --etcd``); plaintext when unset.
         client_cert_auth: with ``tls_dir``, refuse clients without a
             certificate signed by ``etcd-ca.pem``.
+        wrap: a command the server runs under (``ip netns exec NS``: etcd on an
+            emulated host); it must exec etcd, so the pid is etcd's.
+        peer_port: the peer port (default: a free one on ``host``).
+        probe: ``HOST:PORT`` the health probe connects to instead of ``host:port``
+            (a forward into the namespace ``wrap`` enters).
     """
 
     def __init__(self, data_dir: str | None = None, port: int | None = None,
                  binary: str | None = None, tls_dir: str | os.PathLike[str] | None = None,
-                 client_cert_auth: bool = True, host: str = "127.0.0.1") -> None:
+                 client_cert_auth: bool = True, host: str = "127.0.0.1",
+                 wrap: Sequence[str] = (), peer_port: int | None = None,
+                 probe: str | None = None) -> None:
         self.host = host
+        self.wrap = list(wrap)
+        self.probe = probe
         self.tls_dir = Path(tls_dir) if tls_dir is not None else None
         if self.tls_dir is not None:
             missing = [n for n in (ETCD_CA, ETCD_SERVER_CERT, ETCD_SERVER_KEY)
@@ -109,7 +119,7 @@ class LocalEtcd:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="laminar-etcd-")
         self.port = port or free_port(host)
-        self.peer_port = free_port(host)
+        self.peer_port = peer_port or free_port(host)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = os.path.join(self.data_dir, "etcd.log")
 
@@ -146,9 +156,11 @@ class LocalEtcd:
             return self
         scheme = "https" if self.tls_dir else "http"
         client_url = f"{scheme}://{bracket_host(self.host)}:{self.port}"
+        probe_url = f"{scheme}://{self.probe}" if self.probe else client_url
         peer_url = f"http://{bracket_host(self.host)}:{self.peer_port}"
         health_ctx = self._health_context()
         cmd = [
+            *self.wrap,
             self.binary,
             "--name", "laminar",
             "--data-dir", os.path.join(self.data_dir, "data"),
@@ -170,7 +182,7 @@ class LocalEtcd:
                     f"etcd exited with code {self.proc.returncode} at start; see {self.log_path}"
                 )
             try:
-                with urllib.request.urlopen(f"{client_url}/health", timeout=1,
+                with urllib.request.urlopen(f"{probe_url}/health", timeout=1,
                                             context=health_ctx) as resp:
                     if b"true" in resp.read():
                         log.info("local etcd up at %s (pid %d)", self.endpoint, self.proc.pid)
