@@ -1,6 +1,7 @@
 """Transports: ZeroMQ on loopback and the inproc twin behave the same."""
 
 import threading
+import time
 
 import pytest
 
@@ -186,3 +187,42 @@ def test_every_sender_closes_with_a_linger_over_either_transport():
         got = rx.recv(timeout_s=5)
         assert isinstance(got, codec.Ack) and got.trajectory_ids == ("a",), endpoint
         rx.close()
+
+
+def test_a_push_link_reports_down_and_counts_its_reconnects():
+    """``down_s``: 0 while connected; since creation before the first connection; since the
+    drop after the peer went away. ``reconnects``: counted when it comes back (the caller
+    re-sends what may have been in flight)."""
+    import socket as _socket
+
+    from laminar_common.codec import Acked
+    from laminar_common.transport import make_pull_receiver, make_push_sender
+
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    tx = make_push_sender(endpoint)
+    try:
+        time.sleep(0.3)
+        assert tx.down_s() >= 0.3 and tx.reconnects() == 0  # nothing listens yet
+        rx = make_pull_receiver(endpoint, expect=Acked)
+        deadline = time.monotonic() + 5
+        while tx.down_s() > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tx.down_s() == 0.0 and tx.reconnects() == 0  # a first connection: not a reconnect
+        tx.send(Acked(trajectory_ids=("a",)))
+        assert rx.recv(timeout_s=5) == Acked(trajectory_ids=("a",))
+        rx.close()
+        deadline = time.monotonic() + 5
+        while tx.down_s() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tx.down_s() > 0
+        rx = make_pull_receiver(endpoint, expect=Acked)  # the same address, a new process
+        deadline = time.monotonic() + 5
+        while tx.reconnects() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tx.reconnects() == 1 and tx.down_s() == 0.0
+        rx.close()
+    finally:
+        tx.close(linger_s=0)

@@ -60,8 +60,10 @@ __all__ = [
     "peek_version",
 ]
 
-PROTOCOL_VERSION = 10
-"""10: :class:`Trajectory` carries ``engine``, the engine (and its library's version) that
+PROTOCOL_VERSION = 11
+"""11: :class:`WorkerReport` carries ``trainer_down_s``, how long the worker's link to the
+trainer has been down (the manager re-generates elsewhere what a worker cut off from a
+trainer that others reach cannot deliver). 10: :class:`Trajectory` carries ``engine``, the engine (and its library's version) that
 generated it, for the trainer's step records. 9: a migrated :class:`PromptTask`'s ``kv`` may be a :class:`KvRef` (the cache waits on
 the source worker, and the destination fetches it from there with :class:`KvFetch`,
 answered by the :class:`KvCache` or :class:`KvMissing`). 8: a migrated :class:`PromptTask` may carry its attention cache (:class:`KvCache`), so
@@ -414,6 +416,8 @@ class WorkerReport(_Msg, tag="report"):
     done: tuple[str, ...] = ()
     progress: tuple[PartialProgress, ...] = ()
     """The unfinished trajectories' new tokens since the last report (one frame for all)."""
+    trainer_down_s: float = 0.0
+    """Seconds this worker's link to the trainer has been down (0.0: up)."""
 
 
 class PullWeights(_Msg, tag="pull_weights"):

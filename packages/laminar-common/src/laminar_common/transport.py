@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
+import zmq.utils.monitor
 
 from laminar_common import codec
 from laminar_common.auth import CurveAuth
@@ -129,6 +130,17 @@ class PushSender(abc.ABC):
     @abc.abstractmethod
     def send(self, msg: Message) -> None:
         """Queue ``msg``; raises :class:`TransportError` past the high-water mark."""
+
+    @abc.abstractmethod
+    def down_s(self) -> float:
+        """Seconds the link to the receiver has been down: 0.0 while it is up; before
+        the first connection, since this sender was made. A link is down when its
+        connection closed or stopped answering heartbeats (a cut link, a dead peer)."""
+
+    @abc.abstractmethod
+    def reconnects(self) -> int:
+        """How often the link came back up after it was down: what was sent meanwhile, or
+        in flight when it went down, may be lost (the caller sends it again)."""
 
     @abc.abstractmethod
     def close(self, linger_s: float = 1.0) -> None:
@@ -314,8 +326,22 @@ def _send(sock: zmq.Socket, parts: list[bytes], timeout_ms: int, where: str) -> 
         raise TransportError(f"{where}: send failed: {exc}") from exc
 
 
+HEARTBEAT_IVL_S = 1.0
+"""A pushing socket pings its peer this often (ZMTP heartbeats) ..."""
+HEARTBEAT_TIMEOUT_S = 3.0
+"""... and drops the connection when nothing came back for this long: a cut link or a
+paused peer is seen as down within this time (TCP alone would wait minutes)."""
+CONNECT_TIMEOUT_S = 1.0
+"""One connection attempt waits this long: a link that comes back is used within about
+this, not after TCP's SYN back-off (1, 2, 4 ... s)."""
+
+_UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_DOWN_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+
+
 class ZmqPushSender(PushSender):
-    """PUSH socket connected to a :class:`ZmqPullReceiver`."""
+    """PUSH socket connected to a :class:`ZmqPullReceiver`; heartbeats tell whether the
+    link is up (:meth:`down_s`)."""
 
     def __init__(self, endpoint: str, hwm: int = 1000, send_timeout_s: float = 30.0,
                  auth: CurveAuth | None = None) -> None:
@@ -323,9 +349,39 @@ class ZmqPushSender(PushSender):
         self.stats = TransportStats()
         self._timeout_ms = int(send_timeout_s * 1000)
         self._sock = _socket(zmq.PUSH, hwm)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
+        self._sock.setsockopt(zmq.CONNECT_TIMEOUT, int(CONNECT_TIMEOUT_S * 1000))
         if auth is not None:
             auth.apply_client(self._sock)
-        _connect(self._sock, endpoint)
+        self._monitor = self._sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS)
+        self._down_since: float | None = time.monotonic()
+        self._was_up = False
+        self._reconnects = 0
+        try:
+            _connect(self._sock, endpoint)
+        except TransportError:
+            self._monitor.close(0)
+            raise
+
+    def _read_monitor(self) -> None:
+        """Apply the socket's connection events so far (never blocks)."""
+        while self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            if event["event"] & _UP_EVENTS:
+                if self._down_since is not None and self._was_up:
+                    self._reconnects += 1
+                self._down_since, self._was_up = None, True
+            elif event["event"] & _DOWN_EVENTS and self._down_since is None:
+                self._down_since = time.monotonic()
+
+    def down_s(self) -> float:
+        self._read_monitor()
+        return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    def reconnects(self) -> int:
+        self._read_monitor()
+        return self._reconnects
 
     def send(self, msg: Message) -> None:
         self.send_frame(codec.encode(msg))
@@ -337,6 +393,8 @@ class ZmqPushSender(PushSender):
 
     def close(self, linger_s: float = 1.0) -> None:
         """Close; queued messages get up to ``linger_s`` to be delivered."""
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(linger=int(linger_s * 1000))
 
 
@@ -552,16 +610,38 @@ def _queue_get(q: queue.Queue, timeout_s: float | None):
 
 
 class InprocPushSender(PushSender):
+    """The twin of :class:`ZmqPushSender`: up from the start; :meth:`cut` and :meth:`heal`
+    stand in for a link going down and coming back (what is sent while cut is lost, as
+    on a cut link)."""
+
     def __init__(self, hub: InprocHub, endpoint: str, peer: str = "inproc-peer") -> None:
         self._q = hub.lookup(endpoint)
         self._peer = peer
         self.stats = TransportStats()
+        self._down_since: float | None = None
+        self._reconnects = 0
+
+    def cut(self) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+
+    def heal(self) -> None:
+        if self._down_since is not None:
+            self._down_since = None
+            self._reconnects += 1
+
+    def down_s(self) -> float:
+        return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    def reconnects(self) -> int:
+        return self._reconnects
 
     def send(self, msg: Message) -> None:
         self.send_frame(codec.encode(msg))
 
     def send_frame(self, frame: bytes) -> None:
-        self._q.put((self._peer, bytes(frame)))
+        if self._down_since is None:
+            self._q.put((self._peer, bytes(frame)))
         self.stats.sent += 1
 
     def close(self, linger_s: float = 1.0) -> None:

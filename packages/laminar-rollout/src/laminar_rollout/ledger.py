@@ -445,6 +445,10 @@ class TrajectoryLedger:
     def assigned(self, worker: str) -> int:
         return len(self._held.get(worker, ()))
 
+    def finished_unacked(self, worker: str) -> int:
+        """Trajectories ``worker`` finished that the trainer has not acked yet."""
+        return len(self._done_by.get(worker, ()))
+
     @property
     def created(self) -> int:
         """Trajectories created over the run (compacted ones included)."""

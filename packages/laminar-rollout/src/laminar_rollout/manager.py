@@ -83,6 +83,8 @@ class WorkerState:
     pulling: int | None = None
     kv: KvLifecycle = field(default_factory=KvLifecycle)
     """KV use since the worker was last given work: repack empties it in its fall."""
+    trainer_down_s: float = 0.0
+    """How long its link to the trainer has been down, as it last reported (0.0: up)."""
 
 
 @dataclass
@@ -103,6 +105,9 @@ class ManagerStats:
     not take it; ``migrations_placed`` of them)."""
     pulls_commanded: int = 0
     lease_expired_kept: int = 0
+    workers_cut_off: int = 0
+    """Workers whose finished work was generated again elsewhere because they could not
+    reach a trainer that other workers reached."""
     """Workers whose lease expired while they kept talking (etcd paused): kept."""
     trainer_rejections: int = 0
     """Trajectories the trainer refused by content (each generated again or failed)."""
@@ -155,6 +160,8 @@ class ManagerService(Service):
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._migrations: dict[str, tuple[str, float]] = {}
         self._recoveries: list[Recovery] = []
+        self._still_cut: dict[str, float] = {}
+        """Workers let go as cut off from the trainer, until they report their link back."""
         self._last_repack = time.monotonic()
         self._last_expiry_check = time.monotonic()
         self._last_state_write = 0.0
@@ -361,7 +368,10 @@ class ManagerService(Service):
                 # socket keeps the hello it just accepted: forgetting it would refuse
                 # the new incarnation's reports.)
                 self._worker_lost(peer, "reconnected", forget=False)
-            self.workers[peer] = WorkerState(peer, capacity=msg.capacity)
+            # One this manager let go as cut off from the trainer gets no work until it
+            # reports its link back (its hello carries no link state).
+            self.workers[peer] = WorkerState(peer, capacity=msg.capacity,
+                                             trainer_down_s=self._still_cut.get(peer, 0.0))
             log.info("worker %s joined (capacity %d)", peer, msg.capacity)
             return
         w = self.workers.get(peer)
@@ -412,6 +422,9 @@ class ManagerService(Service):
         w.active, w.queued = msg.active, msg.queued
         w.kv_used, w.kv_capacity = msg.kv_used_tokens, msg.kv_capacity_tokens
         w.kv.observe(msg.kv_used_tokens if msg.kv_capacity_tokens > 0 else msg.active)
+        w.trainer_down_s = msg.trainer_down_s
+        if not msg.trainer_down_s:
+            self._still_cut.pop(w.worker_id, None)
         if w.pulling is not None and msg.policy_version >= w.pulling:
             w.pulling = None
         for tid in msg.done:
@@ -505,6 +518,27 @@ class ManagerService(Service):
         for wid, w in list(self.workers.items()):
             if now - w.last_seen > self.config.worker_timeout_s:
                 self._worker_lost(wid, f"silent for {now - w.last_seen:.1f}s")
+        self._expire_cut_off_workers()
+
+    def _cut_off(self) -> set[str]:
+        """Workers that report no link to the trainer while another worker has one: cut
+        off from it (a partition), not a trainer that is gone (then every worker says so
+        and the outboxes deliver to its next incarnation)."""
+        down = {wid for wid, w in self.workers.items() if w.trainer_down_s > 0}
+        return down if len(down) < len(self.workers) else set()
+
+    def _expire_cut_off_workers(self) -> None:
+        """A worker cut off from the trainer for ``worker_timeout_s`` cannot deliver what it
+        finished: its work is generated again elsewhere (its copies, if the link heals, are
+        refused by id at the trainer), and it gets no new work until its link is back."""
+        for wid in self._cut_off():
+            w = self.workers[wid]
+            if w.trainer_down_s > self.config.worker_timeout_s and (
+                    self.ledger.assigned(wid) or self.ledger.finished_unacked(wid)):
+                self.stats.workers_cut_off += 1
+                self._still_cut[wid] = w.trainer_down_s
+                self._worker_lost(wid, f"no link to the trainer for {w.trainer_down_s:.1f}s "
+                                       "while other workers reach it")
 
     def _worker_lost(self, worker_id: str, why: str, forget: bool = True) -> None:
         w = self.workers.pop(worker_id, None)
@@ -536,8 +570,11 @@ class ManagerService(Service):
     # -- scheduling -------------------------------------------------------------
 
     def _views(self) -> list[WorkerView]:
+        """The workers new work may go to: not those cut off from the trainer."""
+        cut_off = self._cut_off()
         return [WorkerView(w.worker_id, w.version, w.capacity, self.ledger.assigned(w.worker_id),
-                           w.pulling) for w in self.workers.values() if w.version >= 0]
+                           w.pulling) for w in self.workers.values()
+                if w.version >= 0 and w.worker_id not in cut_off]
 
     def _place(self, tid: str, worker_id: str) -> bool:
         """Dispatch one pending trajectory to a chosen live worker."""
@@ -714,6 +751,9 @@ class ManagerService(Service):
             Metric("filtered_unknown_total", "counter",
                    "filtered-group notices naming a prompt the ledger does not hold",
                    lc.filtered_unknown),
+            Metric("workers_cut_off_total", "counter",
+                   "workers whose finished work was generated again: no link to the trainer "
+                   "while other workers had one", st.workers_cut_off),
             Metric("lease_expired_kept_total", "counter",
                    "workers kept although their lease expired (they kept talking)",
                    st.lease_expired_kept),
@@ -742,6 +782,7 @@ class ManagerService(Service):
             "groups_filtered": self.ledger.filtered_groups,
             "filtered_unknown": self.ledger.counters.filtered_unknown,
             "lease_expired_kept": self.stats.lease_expired_kept,
+            "workers_cut_off": self.stats.workers_cut_off,
             "ack_rejected_frames": dict(self.acks.stats.rejected) if self.acks else {},
             "pulls_commanded": self.stats.pulls_commanded,
             "latest_version": self.latest,

@@ -163,6 +163,10 @@ class WorkerService(Service):
         self._resend_at: dict[str, tuple[float, int]] = {}
         """Per outbox id: when to push it again unless acked, and how often it was pushed."""
         self._last_resend_check = 0.0
+        self._trainer_reconnects = 0
+        self._trainer_down_s = 0.0
+        """The link to the trainer: down this long as last read by the loop (0.0: up)."""
+        self._trainer_down_said = 0.0
         self._done_since_report: list[str] = []
         self._last_report = 0.0
         # Progress the current manager holds: trajectory id -> tokens sent. Reports carry
@@ -333,6 +337,12 @@ class WorkerService(Service):
             Metric("trainer_switches_total", "counter",
                    "trainer incarnations seen (each gets the whole outbox again)",
                    c["trainer_switches"]),
+            Metric("trainer_reconnects_total", "counter",
+                   "links to the trainer back after being down (each re-sends the outbox)",
+                   c["trainer_reconnects"]),
+            Metric("trainer_link_down_seconds", "gauge",
+                   "how long the link to the trainer has been down (0: up)",
+                   self._trainer_down_s),
             Metric("resent_total", "counter", "pushes repeated because no ack came in time",
                    c["resent"]),
             Metric("push_failed_total", "counter", "pushes to the trainer that failed",
@@ -417,6 +427,7 @@ class WorkerService(Service):
             self._next_turns()
             self._collect_rewards()
             self._report(force=self._refill_due())
+            self._watch_trainer_link()
             self._resend_overdue()
 
     def _refill_due(self) -> bool:
@@ -503,11 +514,37 @@ class WorkerService(Service):
             self.trainer.close(linger_s=0)
         self.trainer = make_push_sender(record.address, send_timeout_s=5, auth=self._curve)
         self._trainer_key = record.incarnation
+        self._trainer_reconnects = 0
         self.counters["trainer_switches"] += 1
         log.info("trainer %s at %s; re-sending %d unacked trajectories", record.member_id,
                  record.address, len(self.outbox))
         for traj in list(self.outbox.values()):
             self._push(traj)
+
+    def _watch_trainer_link(self) -> None:
+        """The link to the trainer came back after it was down (a cut, a paused trainer):
+        everything unacked is pushed again at once, since what was in flight when it went
+        down may be lost (the trainer refuses copies it has by id). While it is down, the
+        manager hears how long (``WorkerReport.trainer_down_s``) and a warning says so."""
+        if self.trainer is None:
+            return
+        reconnects = self.trainer.reconnects()
+        if reconnects != self._trainer_reconnects:
+            self._trainer_reconnects, self._trainer_down_s = reconnects, 0.0
+            self.counters["trainer_reconnects"] += 1
+            log.warning("link to the trainer is back; re-sending %d unacked trajectories",
+                        len(self.outbox))
+            for traj in list(self.outbox.values()):
+                self._push(traj)
+            return
+        down = self._trainer_down_s = self.trainer.down_s()
+        now = time.monotonic()
+        if down >= TRAINER_DOWN_SAY_AFTER_S and now - self._trainer_down_said >= \
+                TRAINER_DOWN_SAY_EVERY_S:
+            self._trainer_down_said = now
+            log.warning("no link to the trainer for %.0fs (%d finished trajectories waiting "
+                        "in the outbox): cut off, or the trainer is gone", down,
+                        len(self.outbox))
 
     def _resend_overdue(self) -> None:
         """Push again what the trainer has not acked in time (see ``resend_after_s``)."""
@@ -837,6 +874,7 @@ class WorkerService(Service):
             holding=tuple(self._tasks) + tuple(self._scoring) + tuple(self._between_turns)
             + tuple(self._kv_waiting),
             done=tuple(self._done_since_report), progress=batched,
+            trainer_down_s=round(self._trainer_down_s, 2),
         ))
         self._done_since_report = []
         for p in extra:
@@ -874,6 +912,10 @@ class WorkerService(Service):
 
 
 _MIN_EARLY_REPORT_S = 0.01
+TRAINER_DOWN_SAY_AFTER_S = 5.0
+"""A link to the trainer down this long is warned about ..."""
+TRAINER_DOWN_SAY_EVERY_S = 10.0
+"""... and again this often while it stays down."""
 """Early reports (``refill_fraction``) come at most this often."""
 FULL_PROGRESS_EVERY = 100
 """Every this many reports, progress carries every token: it mends what the manager
