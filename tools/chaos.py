@@ -158,7 +158,9 @@ class Stack:
         self.ready("trainer")
 
     def spawn(self, name: str, resume: bool = False) -> None:
-        cmd = [sys.executable, "-m", *self.cmds[name], *(["--resume"] if resume else [])]
+        extra = getattr(self.args, "extra", None) or {}
+        cmd = [sys.executable, "-m", *self.cmds[name], *extra.get(name.split("-")[0], ()),
+               *(["--resume"] if resume else [])]
         if self.hosts is not None:
             cmd = self.hosts.cmd(name, cmd)
         self.procs[name] = ChildProcess(name, cmd, str(self.root / "logs" / f"{name}.log"))
@@ -287,9 +289,11 @@ def inject(stack: Stack, kind: str, rng: random.Random, pending: list[dict]) -> 
     return rec
 
 
-def link_fault(stack: Stack, target: str, action: str, pending: list[dict]) -> None:
+def link_fault(stack: Stack, target: str, action: str, pending: list[dict],
+               seconds: float | None = None) -> None:
     """Cut ``target``'s host (from everything, or from the hosts ``action`` names) for
-    2 x TTL, or slow its link to SLOW_MBIT for 4 x TTL; then heal it."""
+    ``seconds`` (default 2 x TTL), or slow its link to SLOW_MBIT (default 4 x TTL); then
+    heal it."""
     hosts = stack.hosts
     if hosts is None:
         raise LaminarError(f"link fault {action} of {target} needs --hosts")
@@ -297,7 +301,7 @@ def link_fault(stack: Stack, target: str, action: str, pending: list[dict]) -> N
         rate = hosts.rate(target)
         hosts.cap(target, SLOW_MBIT)
         try:
-            idle(stack, 4 * stack.ttl, pending)
+            idle(stack, 4 * stack.ttl if seconds is None else seconds, pending)
         finally:
             hosts.cap(target, rate)
         return
@@ -305,7 +309,7 @@ def link_fault(stack: Stack, target: str, action: str, pending: list[dict]) -> N
              "cut-relays": sorted(n for n in stack.procs if n.startswith("relay"))}[action]
     hosts.cut(target, peers)
     try:
-        idle(stack, 2 * stack.ttl, pending)
+        idle(stack, 2 * stack.ttl if seconds is None else seconds, pending)
     finally:
         hosts.heal(target)
 
