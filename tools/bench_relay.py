@@ -28,6 +28,7 @@ Usage: python tools/bench_relay.py [--size-mb 256] [--relays 1,2,4] [--repeat 2]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -35,11 +36,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
+from laminar_common.errors import LaminarError
 from laminar_common.relay.wire import GRPC_OPTIONS
 
 MiB = 1024 * 1024
+LEASE_LAPSES: dict[str, int] = {}
+"""Relays a health call by name failed for (their etcd record gone for a moment)."""
 
 
 # -- raw transports (used for the ideal and for --dataplanes) ---------------
@@ -190,11 +195,15 @@ class Chain:
         verify_forwarded: bool,
         log_dir: str,
         link_bytes_per_s: int = 0,
+        hosts: dict | None = None,
     ) -> None:
         self.job = job
         self.procs: list[subprocess.Popen] = []
         self.names = [f"{job}-r{i}" for i in range(n)]
-        for name in self.names:
+        for i, name in enumerate(self.names):
+            # On emulated hosts (--hosts): relay i on host relay-i, bound to its address.
+            where = hosts[f"relay-{i}"] if hosts else None
+            bind = where["address"] if where else "127.0.0.1"
             args = [
                 "serve",
                 "--set",
@@ -202,9 +211,10 @@ class Chain:
                 "--set",
                 f"member_id={name}",
                 "--set",
-                "bind_host=127.0.0.1",
+                f"bind_host={bind}",
                 "--set",
-                "advertise_host=127.0.0.1",
+                f"advertise_host={bind}",
+                *(["--set", f"host_id=relay-{i}"] if where else []),
                 "--set",
                 f"etcd.endpoints=[{etcd_endpoint}]",
                 "--set",
@@ -225,9 +235,10 @@ class Chain:
                 "logging.level=WARNING",
             ]
             log = open(os.path.join(log_dir, f"{name}.log"), "w")
+            wrap = ["ip", "netns", "exec", where["netns"]] if where else []
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "laminar_relay.cli", *args],
+                    [*wrap, sys.executable, "-m", "laminar_relay.cli", *args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -293,7 +304,15 @@ def broadcast_once(client, names: list[str], version: int, tensors, poll_s: floa
             raise RuntimeError(f"version {version} did not reach every relay")
         for name in names:
             if name not in sealed:
-                health = client.health(name)
+                try:
+                    health = client.health(name)
+                except LaminarError as exc:
+                    # Its record may be gone for a moment (a lease lost under load and
+                    # registered again): counted, asked again until the deadline.
+                    LEASE_LAPSES[name] = LEASE_LAPSES.get(name, 0) + 1
+                    if LEASE_LAPSES[name] == 1:
+                        print(f"      (relay {name} did not answer by name: {exc})", flush=True)
+                    continue
                 if version in health.sealed_at:
                     sealed[name] = health
         time.sleep(poll_s)
@@ -380,11 +399,180 @@ def delta_sequence(model_name: str, lr: float, steps: int, seq_len: int = 64,
           "moves N x the delta's bytes for a delta version instead of N x the full version's")
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--_receiver":
-        kind, port, size, chunk = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-        _receiver_main(kind, port, size, chunk)
-        return 0
+# -- --hosts: the chain on emulated hosts with capped links ---------------------------
+
+
+def _tensors(size: int, n_tensors: int = 8):
+    """``size`` random bytes as ``n_tensors`` uint8 tensors (name, dtype, shape, buffer)."""
+    data = os.urandom(size)
+    per = size // n_tensors
+    return [
+        (
+            f"layer{i}.weight",
+            "uint8",
+            (per if i < n_tensors - 1 else size - per * (n_tensors - 1),),
+            memoryview(data)[i * per : (i + 1) * per if i < n_tensors - 1 else size],
+        )
+        for i in range(n_tensors)
+    ]
+
+
+def _reader_main(etcd_endpoint: str, job: str, host_id: str, last_version: int) -> None:
+    """A reader on a relay's host: fetch every version as soon as etcd shows it (from the
+    relay on this host, which may still be receiving it through the chain), print
+    ``{"version", "done"}`` per version, exit after ``last_version``."""
+    from laminar_common.etcd import EtcdCoordinator
+    from laminar_common.relay.client import RelayClient
+
+    coord = EtcdCoordinator([etcd_endpoint], job, ttl_s=5)
+    client = RelayClient(coord, host=host_id, client_id=f"reader-{host_id}", rpc_timeout_s=60)
+    print(json.dumps({"ready": True}), flush=True)
+    done = 0
+    try:
+        while done < last_version:
+            rec = coord.latest_version()
+            if rec is None or rec.version <= done:
+                time.sleep(0.005)
+                continue
+            with client.fetch(rec.version, wait_s=120) as got:
+                source = got.source
+            done = rec.version
+            print(json.dumps({"version": done, "done": time.time(), "source": source}),
+                  flush=True)
+    finally:
+        client.close()
+        coord.close()
+
+
+def hosts_main(args: argparse.Namespace) -> int:
+    """Build the hosts (trainer + one per relay), etcd on the trainer's, then run the
+    measurement inside the trainer's host (``--_hosts-inner``)."""
+    from laminar_common.testing.hosts import EmulatedHosts, start_etcd, unavailable
+
+    why = unavailable()
+    if why:
+        print(f"--hosts: {why}", file=sys.stderr)
+        return 2
+    n_max = max(int(x) for x in args.relays.split(","))
+    names = ["trainer", *[f"relay-{i}" for i in range(n_max)]]
+    tmp = tempfile.mkdtemp(prefix="bench-relay-hosts-")
+    with EmulatedHosts(names, rate_mbit=args.link_mbit) as hosts:
+        etcd, _ = start_etcd(hosts, "trainer", os.path.join(tmp, "etcd"))
+        try:
+            spec = {"etcd": etcd.endpoint, "log_dir": tmp,
+                    "hosts": {n: {"address": hosts.address(n), "netns": hosts[n].netns}
+                              for n in names}}
+            inner = [sys.executable, os.path.abspath(__file__), "--_hosts-inner",
+                     json.dumps(spec), *sys.argv[1:]]
+            rc = subprocess.call(hosts.cmd("trainer", inner))
+        finally:
+            etcd.close()
+    if rc == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rc
+
+
+def _start_readers(spec: dict, job: str, n: int, per_host: int, last_version: int):
+    """``per_host`` reader processes on each of the first ``n`` relays' hosts, and a
+    thread each collecting what they print."""
+    readers = []
+    for i in range(n):
+        for r in range(per_host):
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", spec["hosts"][f"relay-{i}"]["netns"], sys.executable,
+                 os.path.abspath(__file__), "--_reader", spec["etcd"], job, f"relay-{i}",
+                 str(last_version)],
+                stdout=subprocess.PIPE, stderr=open(os.path.join(
+                    spec["log_dir"], f"{job}-reader-{i}-{r}.log"), "w"), text=True)
+            lines: list[dict] = []
+            t = threading.Thread(target=lambda p=proc, out=lines: out.extend(
+                json.loads(x) for x in p.stdout), daemon=True)
+            t.start()
+            readers.append((proc, lines, t))
+    return readers
+
+
+def hosts_inner(spec: dict, args: argparse.Namespace) -> int:
+    """On the trainer's host: per chain length, N relays on hosts relay-0..N-1 and readers
+    on each, publish versions through links at B, and compare with S/B."""
+    from laminar_common.etcd import EtcdCoordinator
+    from laminar_common.relay.client import RelayClient
+
+    size, chunk = args.size_mb * MiB, args.chunk_mb * MiB
+    rate = args.link_mbit * 1e6 / 8  # bytes/s each way on every link
+    limit = size / rate
+    ns = [int(x) for x in args.relays.split(",")]
+    print(f"relay broadcast on emulated hosts: {args.size_mb} MiB per version, {args.chunk_mb} "
+          f"MiB chunks, chains {ns}, {args.repeat} publish(es) each; the trainer and every "
+          f"relay on a host of its own (network namespaces on one machine), every link capped "
+          f"at {args.link_mbit:g} Mbit/s each way (tc tbf); {args.readers} reader(s) per relay "
+          f"host fetching each version; real etcd and relays, verify_forwarded on")
+    print(f"machine: {os.cpu_count()} CPUs shared by every host; S/B = {limit:.3f} s (the "
+          f"physical limit; TCP/IP headers alone cost ~4% of a link)")
+    tensors = _tensors(size)
+    print(f"{'N':>3} {'broadcast_s':>11} {'x S/B':>6} {'chain_best_s':>12} {'x best':>6} "
+          f"{'stall_s':>7} {'readers_s':>9} {'x S/B':>6} {'relay_cpu_s':>{5 * max(ns) + 4}}")
+    failed = False
+    for n in ns:
+        job = f"hosts-{n}"
+        chain = Chain(spec["etcd"], job, n, size, True, spec["log_dir"], 0, hosts=spec["hosts"])
+        coord = EtcdCoordinator([spec["etcd"]], job, ttl_s=5)
+        client = RelayClient(coord, chunk_bytes=chunk, publish_timeout_s=300, rpc_timeout_s=30)
+        last = args.repeat + 1
+        readers = []
+        try:
+            chain.wait_ready(client)
+            readers = _start_readers(spec, job, n, args.readers, last)
+            results, starts, cpus = [], {}, []
+            for v in range(1, last + 1):
+                time.sleep(args.gap_s if v > 1 else 0.5)
+                before = [cpu_seconds(p.pid) for p in chain.procs]
+                starts[v] = time.time()
+                results.append(broadcast_once(client, chain.names, v, tensors))
+                cpus.append([cpu_seconds(p.pid) - b for p, b in zip(chain.procs, before)])
+            for proc, _, t in readers:
+                proc.wait(120)
+                t.join(10)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next N
+            print(f"{n:>3} FAILED: {exc} (logs in {spec['log_dir']})")
+            failed = True
+            continue
+        finally:
+            for proc, _, _ in readers:
+                if proc.poll() is None:
+                    proc.kill()
+            client.close()
+            coord.close()
+            chain.stop()
+        measured = results[1:]  # version 1 warms the chain up (first connections, buffers)
+        stall = statistics.median(r[0] for r in measured)
+        bcast = statistics.median(r[1] for r in measured)
+        cpu = [statistics.median(c[i] for c in cpus[1:]) for i in range(n)]
+        best = limit + (n - 1) * chunk / rate
+        per_version = [max((x["done"] for _, lines, _ in readers for x in lines
+                            if x.get("version") == v), default=float("nan")) - starts[v]
+                       for v in range(2, last + 1)]
+        got = statistics.median(per_version) if readers else float("nan")
+        print(f"{n:>3} {bcast:>11.3f} {bcast / limit:>6.2f} {best:>12.3f} {bcast / best:>6.2f} "
+              f"{stall:>7.3f} {got:>9.3f} {got / limit:>6.2f} "
+              f"{' '.join(f'{c:.2f}' for c in cpu):>{5 * max(ns) + 4}}")
+        stages = measured[-1][2]
+        print("      hops (s after publish start: opened / first chunk stored / sealed): "
+              + " | ".join(f"{i}: {b:.3f} / {f:.3f} / {e:.3f}"
+                           for i, (_, b, f, e) in enumerate(stages)))
+        sources = sorted({x.get("source") for _, lines, _ in readers for x in lines
+                          if "version" in x})
+        print(f"      readers read through: {', '.join(map(str, sources)) or '-'}"
+              + (f"; relays whose record lapsed under load: {sorted(LEASE_LAPSES)}"
+                 if LEASE_LAPSES else ""))
+        LEASE_LAPSES.clear()
+    print("broadcast: publish start -> the last relay sealed the version; readers: -> the "
+          "last reader on any relay host held it; x S/B: against the link's limit; chain_best:"
+          " S/B + (N-1) x chunk/B, the best a pipelined chain of N can do")
+    return 1 if failed else 0
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -425,7 +613,43 @@ def main() -> int:
         action="store_true",
         help="also measure ZeroMQ multipart vs gRPC streaming on their own",
     )
+    p.add_argument(
+        "--hosts",
+        action="store_true",
+        help="the trainer and each relay on an emulated host of its own (network "
+        "namespaces, needs root), every link capped at --link-mbit; readers on every relay's "
+        "host fetch each version; prints the broadcast against S/B",
+    )
+    p.add_argument(
+        "--link-mbit",
+        type=float,
+        default=1000.0,
+        help="with --hosts: every host's link rate each way, Mbit/s (default 1000)",
+    )
+    p.add_argument(
+        "--readers",
+        type=int,
+        default=1,
+        help="with --hosts: reader processes fetching each version on every relay's host "
+        "(default 1; 0: none)",
+    )
+    return p
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--_receiver":
+        kind, port, size, chunk = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+        _receiver_main(kind, port, size, chunk)
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--_reader":
+        _reader_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--_hosts-inner":
+        return hosts_inner(json.loads(sys.argv[2]), _parser().parse_args(sys.argv[3:]))
+    p = _parser()
     args = p.parse_args()
+    if args.hosts:
+        return hosts_main(args)
 
     from laminar_common.etcd import EtcdCoordinator
     from laminar_common.launch.local_etcd import LocalEtcd
