@@ -119,15 +119,16 @@ def tier_args(etcd, job: str, ttl_s: int) -> list[str]:
 
 
 def laminar_up(tmp_path: Path, job: dict, *args: str, env: dict[str, str] | None = None,
-               name: str = "job.yaml") -> ChildProcess:
+               name: str = "job.yaml", wrap: list[str] | None = None) -> ChildProcess:
     """Write ``job`` to ``tmp_path/name`` and start ``laminar up`` on it (``args``: more
-    CLI arguments); its output goes to ``tmp_path/up.log``. The caller stops it."""
+    CLI arguments; ``wrap``: a command it runs under, such as ``ip netns exec NS`` for an
+    emulated host); its output goes to ``tmp_path/up.log``. The caller stops it."""
     import yaml
 
     path = tmp_path / name
     path.write_text(yaml.safe_dump(job, sort_keys=False))
-    return ChildProcess("up", [sys.executable, "-m", "laminar_common.launch.cli", "up",
-                               str(path), *args], str(tmp_path / "up.log"),
+    return ChildProcess("up", [*(wrap or []), sys.executable, "-m", "laminar_common.launch.cli",
+                               "up", str(path), *args], str(tmp_path / "up.log"),
                         cwd=str(tmp_path), env=env)
 
 

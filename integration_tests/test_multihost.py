@@ -1,11 +1,14 @@
 """Issue 15: a stack spread over hosts, emulated on this machine.
 
-Three hosts are three loopback addresses (127.0.0.2, .3, .4), each with its
-own ``host_id``. Every tier binds only its own host's address (no tier binds
-127.0.0.1 or a wildcard), so a member that advertised loopback, its bind
-address of another host, or the wrong host would be unreachable and the job
-would not finish; a worker that read weights from another host's relay shows
-up in the relays' fetch counters. etcd (embedded) listens on host A only.
+Three hosts are three network namespaces (issue 38: separate network stacks, joined by
+a bridge, links capped at 1 Gbit/s; ``laminar_common.testing.hosts``), at 198.18.0.1,
+.2 and .3, each with its own ``host_id``. Every tier runs in its host's namespace and
+binds only its own host's address, so a member that advertised loopback, its bind
+address of another host, or the wrong host would be unreachable (loopback is each
+host's own) and the job would not finish; a worker that read weights from another
+host's relay shows up in the relays' fetch counters. etcd (embedded) listens on host A
+only. The test itself runs outside every host and reads etcd and the metrics through
+forwards into host A.
 
 - ``test_three_hosts_...``: ``laminar up`` with authentication on everywhere
   (``laminar keys --split --host`` for the three addresses): host A runs etcd,
@@ -36,22 +39,56 @@ import pytest
 from conftest import consumed_ids, laminar_up, metric_value, scrape_metrics
 from laminar_common.errors import LaminarError
 from laminar_common.etcd import EtcdCoordinator
-from laminar_common.launch.local_etcd import free_port
 from laminar_common.launch.processes import ChildProcess
 from laminar_common.launch.readiness import wait_ready
 from laminar_common.roles import Extra
+from laminar_common.testing.hosts import EmulatedHosts, unavailable
 
 # One pytest-xdist worker runs this file's tests and the launcher's Ray test (the "ray"
 # group): they share a module fixture, and one Ray cluster at a time runs on this machine.
 # The cost is the file's (so its tests stay together, in file order).
-pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.cost(150)]
+WHY = unavailable()
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.cost(150),
+              pytest.mark.skipif(WHY is not None, reason=str(WHY))]
 
-HOSTS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
+HOSTS = {"a": "198.18.0.1", "b": "198.18.0.2", "c": "198.18.0.3"}
+
+
+@pytest.fixture(scope="module")
+def net():
+    """Hosts a, b, c (in this order: the addresses above)."""
+    with EmulatedHosts(list(HOSTS), rate_mbit=1000) as hosts:
+        assert {h: hosts.address(h) for h in HOSTS} == HOSTS
+        yield hosts
+
+
+def _wrap(net, host: str) -> list[str]:
+    return net.cmd(host, [])
+
+
+def _local(net, address: str) -> str:
+    """``HOST:PORT`` (or a URL) on host A, as the test reaches it: a forward into A."""
+    scheme, _, rest = address.rpartition("//")
+    host, port = rest.split("/", 1)[0].rsplit(":", 1)
+    path = rest[len(host) + len(port) + 1:]
+    name = next((h for h, ip in HOSTS.items() if ip == host), None)
+    assert name is not None, f"{address!r} is on none of the hosts {HOSTS}"
+    local = f"127.0.0.1:{net.forward(name, int(port))}{path}"
+    return f"{scheme}//{local}" if scheme else local
 STEPS = 6
 GROUPS, GROUP_SIZE = 4, 4
 
 
-def _job(run_dir: Path, auth: dict | None) -> dict:
+TIER_MODULES = {"laminar-relay": "laminar_relay.cli", "laminar-rollout": "laminar_rollout.cli",
+                "laminar-trainer": "laminar_trainer.cli"}
+
+
+def _on_host(net, host: str, command: list[str]) -> list[str]:
+    """A tier's command run in host ``host``'s namespace with this interpreter."""
+    return _wrap(net, host) + [sys.executable, "-m", TIER_MODULES[command[0]], *command[1:]]
+
+
+def _job(run_dir: Path, auth: dict | None, net) -> dict:
     """Host A: etcd, relay-a, manager, trainer; hosts B, C: a relay and a worker each."""
 
     def on(host: str, tier: str, **config) -> dict:
@@ -63,22 +100,23 @@ def _job(run_dir: Path, auth: dict | None) -> dict:
     tiers: dict = {}
     for h in HOSTS:
         tiers[f"relay-{h}"] = {
-            "command": ["laminar-relay", "serve"],
-            "config": on(h, "relay", member_id=f"relay-{h}", metrics={"port": 0},
+            "command": _on_host(net, h, ["laminar-relay", "serve"]),
+            "config": on(h, "relay", member_id=f"relay-{h}",
+                         metrics={"port": 0, "host": HOSTS[h]},
                          store={"max_bytes": 64 << 20})}
     tiers["manager"] = {
-        "command": ["laminar-rollout", "manage"], "ready": "manager",
+        "command": _on_host(net, "a", ["laminar-rollout", "manage"]), "ready": "manager",
         "config": on("a", "manager", prompts="{run_dir}/train.jsonl", group_size=GROUP_SIZE,
                      batch_groups=GROUPS, mode="laminar", sampling={"max_tokens": 64})}
     for h in ("b", "c"):
         tiers[f"worker-{h}"] = {
-            "command": ["laminar-rollout", "serve"],
+            "command": _on_host(net, h, ["laminar-rollout", "serve"]),
             "config": on(h, "worker", worker_id=f"worker-{h}", report_interval_s=0.2,
                          engine={"type": "simulated", "max_batch": 8, "median_length": 12,
                                  "max_length": 64, "step_time_base": 0.002,
                                  "step_time_per_seq": 0.0002})}
     tiers["trainer"] = {
-        "command": ["laminar-trainer", "run"],
+        "command": _on_host(net, "a", ["laminar-trainer", "run"]),
         "config": on("a", "trainer", trainer_id="trainer",
                      simulate={"step_s": 0.3, "weight_bytes": 1 << 20}, batch_groups=GROUPS,
                      total_steps=STEPS, run_dir="{run_dir}/trainer",
@@ -93,15 +131,17 @@ def _job(run_dir: Path, auth: dict | None) -> dict:
             "setup": setup, "tiers": tiers, "wait_for": "trainer", "timeout_s": 300}
 
 
-def test_three_hosts_train_exactly_once_and_read_weights_from_their_own_hosts_relay(tmp_path):
+def test_three_hosts_train_exactly_once_and_read_weights_from_their_own_hosts_relay(tmp_path,
+                                                                                    net):
     run_dir = tmp_path / "run"
-    up = laminar_up(tmp_path, _job(run_dir, {"dir": "{run_dir}/keys"}))
+    up = laminar_up(tmp_path, _job(run_dir, {"dir": "{run_dir}/keys"}, net),
+                    wrap=_wrap(net, "a"))
     try:
         up.wait_for_line(r"this job spans hosts \(.*3 host ids", 60)
         endpoint = up.wait_for_line(r"etcd at (\S+)", 120).group(1)
         assert endpoint == f"{HOSTS['a']}:{endpoint.rsplit(':', 1)[1]}", endpoint
         up.wait_for_line(r"trainer: STEP 3 ", 240)
-        coord = EtcdCoordinator([endpoint], "threehosts", connect_timeout_s=10)
+        coord = EtcdCoordinator([_local(net, endpoint)], "threehosts", connect_timeout_s=10)
         try:
             members = coord.members()
         finally:
@@ -115,7 +155,8 @@ def test_three_hosts_train_exactly_once_and_read_weights_from_their_own_hosts_re
         for h in ("b", "c"):
             assert members[f"worker-{h}"].host_id == f"host-{h}"
         # Each worker read weights from its own host's relay, and from no other.
-        fetches = {h: scrape_metrics(members[f"relay-{h}"].extra[Extra.METRICS]) for h in HOSTS}
+        fetches = {h: scrape_metrics(_local(net, members[f"relay-{h}"].extra[Extra.METRICS]))
+                   for h in HOSTS}
         for h in HOSTS:
             for w in ("b", "c"):
                 n = metric_value({k: v for k, v in fetches[h].items()
@@ -137,8 +178,8 @@ def test_three_hosts_train_exactly_once_and_read_weights_from_their_own_hosts_re
     assert summary["steps"] == STEPS
 
 
-def test_a_job_spanning_hosts_without_auth_is_refused(tmp_path):
-    up = laminar_up(tmp_path, _job(tmp_path / "run", None))
+def test_a_job_spanning_hosts_without_auth_is_refused(tmp_path, net):
+    up = laminar_up(tmp_path, _job(tmp_path / "run", None, net), wrap=_wrap(net, "a"))
     assert up.proc.wait(60) != 0
     up.wait_for_line(r"this job spans hosts \(.*3 host ids.*\) but relay-a, relay-b, relay-c, "
                      r"manager, worker-b, worker-c, trainer run without authentication", 10)
@@ -146,9 +187,9 @@ def test_a_job_spanning_hosts_without_auth_is_refused(tmp_path):
 
     insecure = tmp_path / "insecure"
     insecure.mkdir()
-    job = _job(insecure / "run", {"insecure": True})
+    job = _job(insecure / "run", {"insecure": True}, net)
     job["tiers"]["trainer"]["config"]["total_steps"] = 1
-    up = laminar_up(insecure, job)
+    up = laminar_up(insecure, job, wrap=_wrap(net, "a"))
     try:
         up.wait_for_line(r"WARNING: this job spans hosts .* run WITHOUT AUTHENTICATION", 60)
     finally:
@@ -199,11 +240,11 @@ def _kill_tree(child: ChildProcess) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(net):
     pytest.importorskip("ray")
     ray_bin = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="lr", dir="/tmp")  # short: Ray's socket paths must fit
-    port = free_port(HOSTS["a"])
+    port = 6379  # host A is a fresh network stack: nothing else listens there
     # Ray's token authentication, one token for this cluster: every node, the driver
     # (laminar up) and the actors present it (and a ~/.ray/auth_token left by another
     # Ray never decides the mode).
@@ -221,21 +262,22 @@ def ray_cluster():
             where = ["--head", "--port", str(port), "--temp-dir", temp,
                      "--include-dashboard", "false"] if h == "a" else \
                 ["--address", f"{HOSTS['a']}:{port}"]
-            nodes[h] = ChildProcess(f"ray-{h}", [ray_bin, "start", *where, "--node-ip-address",
-                                                 HOSTS[h], "--resources", resources, *common],
-                                    f"{temp}/ray-{h}.log", env=env)
+            # Each node in its host's namespace (`ip netns exec` execs: the pid is ray's).
+            nodes[h] = ChildProcess(f"ray-{h}", net.cmd(h, [
+                ray_bin, "start", *where, "--node-ip-address", HOSTS[h], "--resources",
+                resources, *common]), f"{temp}/ray-{h}.log", env=env)
             nodes[h].wait_for_line(r"Ray runtime started", 120)
         probe = subprocess.run(
-            [sys.executable, "-c", "import ray, time\n"
+            net.cmd("a", [sys.executable, "-c", "import ray, time\n"
              f"ray.init(address='{HOSTS['a']}:{port}', log_to_driver=False)\n"
              "for _ in range(200):\n"
              "    ips = sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])\n"
              "    if len(ips) == 3: break\n"
              "    time.sleep(0.3)\n"
-             "print(' '.join(ips))"], capture_output=True, text=True, timeout=120,
+             "print(' '.join(ips))"]), capture_output=True, text=True, timeout=120,
             env={**os.environ, **env})
         assert probe.stdout.split() == sorted(HOSTS.values()), probe.stdout + probe.stderr
-        yield f"{HOSTS['a']}:{port}", nodes, env
+        yield f"{HOSTS['a']}:{port}", nodes, env, net
     finally:
         for child in reversed(list(nodes.values())):
             tree = _descendants(child.pid)
@@ -260,7 +302,8 @@ def _ray_job(run_dir: Path, steps: int) -> dict:
         "tiers": {
             "relay": {"command": ["laminar-relay", "serve"], "replicas": -1,
                       "id_field": "member_id", "resources": {"rollout": 0.01},
-                      "config": {"metrics": {"port": 0}, "store": {"max_bytes": 64 << 20},
+                      "config": {"metrics": {"port": 0, "host": "0.0.0.0"},
+                                 "store": {"max_bytes": 64 << 20},
                                  "auth": auth["relay"]}},
             "manager": {"command": ["laminar-rollout", "manage"], "ready": "manager",
                         "resources": {"head": 0.1},
@@ -284,12 +327,13 @@ def _ray_job(run_dir: Path, steps: int) -> dict:
 
 
 def _up_ray(tmp_path: Path, job: dict, cluster) -> ChildProcess:
-    address, _, env = cluster
-    return laminar_up(tmp_path, job, "--backend", "ray", "--address", address, env=env)
+    address, _, env, net = cluster
+    return laminar_up(tmp_path, job, "--backend", "ray", "--address", address, env=env,
+                      wrap=_wrap(net, "a"))
 
 
-def _placement(endpoint: str) -> dict:
-    coord = EtcdCoordinator([endpoint], "raynodes", connect_timeout_s=10)
+def _placement(net, endpoint: str) -> dict:
+    coord = EtcdCoordinator([_local(net, endpoint)], "raynodes", connect_timeout_s=10)
     try:
         return coord.members()
     finally:
@@ -312,7 +356,7 @@ def test_ray_across_three_nodes_one_relay_per_worker_node_exactly_once(tmp_path,
         # Ray actors start slowly on 2 busy cores (the trainer's first line came 140 s
         # after `laminar up` in a CI run beside the tools job): the wait is generous.
         up.wait_for_line(r"trainer: STEP 3 ", 420)
-        members = _placement(endpoint)
+        members = _placement(ray_cluster[3], endpoint)
         relays = {m: r for m, r in members.items() if r.role == "relay"}
         workers = {m: r for m, r in members.items() if r.role == "worker"}
         # One relay on each worker node, none on the head; each advertises its node.
@@ -322,7 +366,7 @@ def test_ray_across_three_nodes_one_relay_per_worker_node_exactly_once(tmp_path,
         assert len({w.host_id for w in workers.values()}) == 2  # spread over B and C
         for wid, w in workers.items():
             for rid, r in relays.items():
-                samples = scrape_metrics(r.extra[Extra.METRICS])
+                samples = scrape_metrics(_local(ray_cluster[3], r.extra[Extra.METRICS]))
                 n = metric_value({k: v for k, v in samples.items() if f'reader="{wid}"' in k},
                                  "laminar_relay_fetches_total")
                 assert (n > 0) == (r.host_id == w.host_id), (wid, rid, n)
@@ -340,13 +384,13 @@ def test_ray_job_survives_losing_a_worker_node(tmp_path, ray_cluster):
     with every prompt trained exactly once. The run is long enough (150 steps of at
     least 0.3 s) for Ray to see the node gone and start the worker again; if the run
     ends or fails first, the test says so with ``laminar up``'s tail."""
-    _, nodes, _ = ray_cluster
+    _, nodes, _, net = ray_cluster
     steps = 200
     up = _up_ray(tmp_path, _ray_job(tmp_path / "run", steps), ray_cluster)
     try:
         endpoint = up.wait_for_line(r"etcd at (\S+)", 120).group(1)
         up.wait_for_line(r"trainer: STEP 4 ", 420)
-        before = _placement(endpoint)
+        before = _placement(net, endpoint)
         lost = [m for m, r in before.items() if r.role == "worker"
                 and before[next(k for k, x in before.items() if x.role == "relay"
                                 and x.host_id == r.host_id)].address.startswith(HOSTS["c"])]
@@ -357,7 +401,7 @@ def test_ray_job_survives_losing_a_worker_node(tmp_path, ray_cluster):
         victims = _kill_tree(nodes["c"])
         assert len(victims) > 3  # ray start, raylet, the actors, their tiers
         # The lost worker registers again, on node B this time, while the run goes on.
-        coord = EtcdCoordinator([endpoint], "raynodes", connect_timeout_s=10)
+        coord = EtcdCoordinator([_local(net, endpoint)], "raynodes", connect_timeout_s=10)
         try:
             back = wait_ready(coord, "worker", lost[0], timeout_s=180, newer_than=killed_at,
                               alive=up.alive)[0]

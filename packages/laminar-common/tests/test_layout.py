@@ -1,4 +1,5 @@
-"""The shape of laminar-common: a core plus ``relay``, ``launch``, ``consume`` and ``data``,
+"""The shape of laminar-common: a core plus ``relay``, ``launch``, ``consume``, ``data`` and
+``testing`` (test support, which may use any part and which no library module imports),
 no cycles.
 
 Reads every module's imports (module level and inside functions) with ``ast``, so the
@@ -48,13 +49,20 @@ def _imports() -> dict[str, set[str]]:
 
 
 PARTS = ("laminar_common.relay", "laminar_common.launch", "laminar_common.consume",
-         "laminar_common.data")
+         "laminar_common.data", "laminar_common.testing")
 
 
 def test_the_core_never_imports_its_subpackages():
     core = {m: d for m, d in _imports().items() if not m.startswith(PARTS)}
     bad = {m: sorted(x for x in d if x.startswith(PARTS)) for m, d in core.items()}
     assert not {m: d for m, d in bad.items() if d}
+
+
+def test_no_library_module_imports_the_test_support():
+    offenders = {m: sorted(d) for m, d in _imports().items()
+                 if not m.startswith("laminar_common.testing")
+                 and any(x.startswith("laminar_common.testing") for x in d)}
+    assert not offenders
 
 
 def test_relay_and_launch_do_not_import_each_other():
@@ -71,7 +79,7 @@ def test_data_imports_the_core_only():
     the relay client, the operator toolkit or the trainer's consumer comes with them."""
     graph = _imports()
     assert any(m.startswith("laminar_common.data.") for m in graph)
-    others = tuple(p for p in PARTS if p != "laminar_common.data")
+    others = tuple(p for p in PARTS if p not in ("laminar_common.data", "laminar_common.testing"))
     offenders = {m: sorted(x for x in d if x.startswith(others)) for m, d in graph.items()
                  if m.startswith("laminar_common.data")}
     assert not {m: d for m, d in offenders.items() if d}, offenders

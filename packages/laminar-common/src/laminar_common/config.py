@@ -179,7 +179,9 @@ class MetricsConfig(LaminarModel):
     port: int | None = Field(default=None, ge=0, le=65535)
     """Port of /metrics (0: any free port, advertised in etcd); unset: no endpoint."""
     host: str = "127.0.0.1"
-    """Interface /metrics listens on."""
+    """Interface /metrics listens on (the default is this machine's own: set the host's
+    address, or ``0.0.0.0`` for every interface, for a scraper on another machine; the
+    URL in etcd then names the member's advertised address)."""
 
 
 class AuthConfig(LaminarModel):

@@ -70,8 +70,10 @@ class MetricsServer:
             fam.add_metric([self.job, self.member, reason], float(value))
         return fam
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Start the endpoint; returns its URL (port 0 picks a free one)."""
+    def start(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> str:
+        """Start the endpoint; returns its URL (port 0 picks a free one). On a wildcard
+        ``host`` (every interface) the URL names ``advertise``, the address the member
+        tells its peers, so that a scraper on another host can use it."""
         from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
 
@@ -87,7 +89,10 @@ class MetricsServer:
             self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
             raise TransportError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
-        self.url = f"http://{host}:{self._server.server_port}/metrics"
+        from laminar_common.net import bracket_host, is_wildcard
+
+        shown = advertise if advertise and is_wildcard(host) else host
+        self.url = f"http://{bracket_host(shown)}:{self._server.server_port}/metrics"
         log.info("metrics at %s", self.url)
         return self.url
 

@@ -292,7 +292,8 @@ class RelayService(Service):
         if self._metrics_port is not None:
             self.metrics = MetricsServer(RELAY_ROLE, self.coordinator.keys.job, self.member_id,
                                          self._metrics)
-            extra[Extra.METRICS] = self.metrics.start(self._metrics_host, self._metrics_port)
+            extra[Extra.METRICS] = self.metrics.start(self._metrics_host, self._metrics_port,
+                                                       self.advertise_host)
         self.coordinator.register(
             MemberRecord(
                 member_id=self.member_id,

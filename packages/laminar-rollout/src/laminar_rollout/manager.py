@@ -248,7 +248,7 @@ class ManagerService(Service):
             self.metrics = MetricsServer(Role.MANAGER, self.config.job, self.config.manager_id,
                                          self._metrics)
             extra[Extra.METRICS] = self.metrics.start(self.config.metrics.host,
-                                                  self.config.metrics.port)
+                                                  self.config.metrics.port, where.advertise)
         self.coordinator.register(MemberRecord(
             member_id=self.config.manager_id, role=Role.MANAGER, address=address,
             host_id=self.config.host, package_version=__version__, extra=extra,

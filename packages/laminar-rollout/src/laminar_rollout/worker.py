@@ -49,6 +49,7 @@ from laminar_common.errors import ConfigError, EngineWedgedError, LaminarError, 
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
+from laminar_common.net import is_wildcard
 from laminar_common.roles import Extra, Role
 from laminar_common.service import Service
 from laminar_common.transport import Client, PushSender, make_client, make_push_sender
@@ -193,8 +194,10 @@ class WorkerService(Service):
         self._last_load = self.engine.load()
         if self.config.metrics.port is not None:
             self.metrics = MetricsServer(Role.WORKER, self.config.job, self.worker_id, self._metrics)
-            extra[Extra.METRICS] = self.metrics.start(self.config.metrics.host,
-                                                  self.config.metrics.port)
+            host = self.config.metrics.host
+            extra[Extra.METRICS] = self.metrics.start(
+                host, self.config.metrics.port,
+                self.config.addresses().advertise if is_wildcard(host) else None)
         record = MemberRecord(
             member_id=self.worker_id, role=Role.WORKER, host_id=self.config.host,
             package_version=__version__,

@@ -263,7 +263,8 @@ class TrainerService(Service):
         extra = {Extra.STEP: str(self.step), Extra.VERSION: str(self.version), Extra.READY: "1"}
         if cfg.metrics.port is not None:
             self.metrics = MetricsServer(Role.TRAINER, cfg.job, cfg.trainer_id, self._metrics)
-            extra[Extra.METRICS] = self.metrics.start(cfg.metrics.host, cfg.metrics.port)
+            extra[Extra.METRICS] = self.metrics.start(cfg.metrics.host, cfg.metrics.port,
+                                                      where.advertise)
         self.coordinator.watch_members(self._on_manager, role=Role.MANAGER)
         self.coordinator.register(MemberRecord(
             member_id=cfg.trainer_id, role=Role.TRAINER, address=address, host_id=cfg.host, package_version=__version__, extra=extra))
