@@ -14,7 +14,8 @@ printed (``-s``) and written to ``partitions.json`` beside the stack's logs.
    6 x TTL: the manager has its work done elsewhere, the job does not wait on it;
 3. a worker's link slowed to 1 Mbit/s for 4 x TTL: the others' steps go on;
 4. the trainer's host cut from the relay hosts for 2 x TTL;
-5. the etcd host cut from every tier for 2 x TTL.
+5. the master relay cut from the trainer only for 2 x TTL (it stays the master);
+6. the etcd host cut from every tier for 2 x TTL.
 """
 
 from __future__ import annotations
@@ -182,6 +183,31 @@ def test_the_trainer_cut_from_the_relays_trains_on_and_publishes_the_newest_vers
     _say("trainer cut from the relays 2xTTL", steps_during_cut=len(in_cut),
          newest_version_published_after_heal_s=round(published, 2),
          first_step_after_heal_s=round(stepped, 2))
+
+
+def test_the_master_relay_cut_from_the_trainer_only_takes_its_weights_again_after_the_heal(
+        net):
+    """The master still reaches etcd and the other relays, so it stays the master; the
+    trainer's publish fails on it and holds it suspect. Once the link heals the master
+    answers its health call again and the newest weights go to it at once (before, the
+    publisher waited failover_wait_s, 10 s, for a successor that never came)."""
+    _healthy(net)
+    master = net.master()
+    t_cut = time.time()
+    net.hosts.cut(master, ["trainer"])
+    try:
+        time.sleep(2 * TTL)
+    finally:
+        net.hosts.heal(master)
+    t_heal = time.time()
+    assert net.watch.leader("relay-master") == master
+    at_heal = max(r["step"] for r in _rows(net) if r["time"] <= t_heal)
+    assert _wait(lambda: (v := net.watch.latest_version()) is not None and v.version >= at_heal,
+                 6), "the newest weights did not reach the master within 6 s of the heal"
+    published = time.time() - t_heal
+    _say("master relay cut from the trainer 2xTTL",
+         steps_during_cut=len(_step_times(net, t_cut, t_heal)),
+         newest_version_published_after_heal_s=round(published, 2))
 
 
 def test_the_etcd_host_cut_from_every_tier_costs_no_more_than_the_staleness_bound(net):

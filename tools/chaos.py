@@ -60,12 +60,13 @@ from laminar_common.testing.hosts import EmulatedHosts, start_etcd, unavailable
 
 FAULTS = ("worker-kill", "worker-stop", "relay-kill", "relay-stop", "manager-kill",
           "manager-stop", "trainer-kill", "trainer-stop", "trainer-term", "etcd-pause")
-LINK_FAULTS = ("worker-cut", "worker-cut-trainer", "worker-slow", "relay-cut", "master-cut",
-               "manager-cut", "trainer-cut-relays", "etcd-cut")
+LINK_FAULTS = ("worker-cut", "worker-cut-trainer", "worker-cut-relays", "worker-slow",
+               "relay-cut", "master-cut", "master-cut-trainer", "manager-cut", "trainer-cut-relays",
+               "etcd-cut")
 """Faults of links, with ``--hosts`` only (every tier on an emulated host of its own): a
 host cut from every other (``-cut``) or from some (``worker-cut-trainer``: a worker that
-still reaches etcd and the manager but not the trainer; ``trainer-cut-relays``) for 2 x
-TTL, then healed; ``worker-slow``: a worker's link at 1 Mbit/s for 4 x TTL."""
+still reaches etcd and the manager but not the trainer; ``worker-cut-relays``: one that
+cannot fetch weights; ``trainer-cut-relays``) for 2 x TTL, then healed; ``worker-slow``: a worker's link at 1 Mbit/s for 4 x TTL."""
 SLOW_MBIT = 1.0
 MASTER_FAULTS = ("master-kill", "master-stop")
 """Faults of the master relay in particular (``--faults master-kill,master-stop``: the

@@ -9,6 +9,7 @@ import time
 import pytest
 from relay_helpers import tensors_for, wait_for
 
+from laminar_common.errors import TransportError
 from laminar_common.relay.manifests import build_manifest
 from laminar_common.relay.wire import NotMasterError, VersionNotFoundError
 from laminar_relay.service import RelayService, _refuses
@@ -215,3 +216,33 @@ def test_a_wildcard_bind_needs_an_advertised_address(etcd):
                      store=WeightStore(make_allocator("heap"), max_bytes=1 << 20,
                                          max_version_bytes=1 << 19),
                      bind_host="0.0.0.0")
+
+
+def test_a_publisher_goes_back_to_a_suspect_master_that_answers_again(make_relay, make_client):
+    """A publish failed on a master that is alive and still the master (its link was cut
+    and healed): the client asks it for its health, and publishes to it at once instead
+    of waiting failover_wait_s for a successor that will not come."""
+    master = make_relay("r0")
+    wait_for(lambda: master.is_master)
+    client = make_client(failover_wait_s=60.0)
+    client.publish(1, tensors_for(1))
+    ref = client.master()
+    client._suspect = ((ref.member_id, ref.started_at, ref.address), time.monotonic())
+    t0 = time.monotonic()
+    result = client.publish(2, tensors_for(2))
+    assert result.master_id == "r0" and time.monotonic() - t0 < 3.0
+    assert client._suspect is None
+
+
+def test_a_suspect_master_that_does_not_answer_stays_suspect(make_relay, make_client):
+    """The same master SIGKILLed (its port refuses): the health call fails, the client
+    keeps waiting for a successor (none comes here) until the publish's deadline."""
+    master = make_relay("r0")
+    wait_for(lambda: master.is_master)
+    client = make_client(failover_wait_s=60.0, publish_timeout_s=2.0)
+    client.publish(1, tensors_for(1))
+    ref = client.master()
+    client._suspect = ((ref.member_id, ref.started_at, ref.address), time.monotonic())
+    _sigkill(master)  # its port goes away; its record and election stay (an hour's lease)
+    with pytest.raises(TransportError, match="just failed and no other relay took over"):
+        client.publish(2, tensors_for(2))

@@ -321,6 +321,7 @@ class RelayClient:
         self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
         self._senders = ChunkSenders(hwm=send_hwm, send_timeout_s=send_timeout_s, auth=curve)
         self._suspect: tuple[str, float] | None = None
+        self._suspect_probed_at = 0.0
         self._closed = threading.Event()
         self._hash_pool: ThreadPoolExecutor | None = None
         self._async_pool: ThreadPoolExecutor | None = None
@@ -395,7 +396,7 @@ class RelayClient:
                 rec = None if leader is None else self._coord.members(RELAY_ROLE).get(leader)
                 if rec is not None:
                     ref = RelayRef(rec.member_id, rec.address, rec.host_id, rec.started_at)
-                    if not self._is_suspect(ref):
+                    if not self._is_suspect(ref) or self._answers_again(ref):
                         return ref
                     problem = f"master {leader!r} just failed and no other relay took over yet"
                 elif leader is not None:
@@ -410,6 +411,26 @@ class RelayClient:
             self._closed.wait(min(backoff.next_delay(), max(0.0, deadline - time.monotonic())))
             if self._closed.is_set():
                 raise TransportError("RelayClient is closed")
+
+    def _answers_again(self, ref: RelayRef) -> bool:
+        """Whether the suspect master, still the master, answers a health call within
+        ``probe_timeout_s`` (at most 0.5 s; asked at most once a second, so a paused master
+        delays noticing its successor by no more than that): then the failure was its link
+        (cut and healed) or a moment's slowness, not its death, and waiting
+        ``failover_wait_s`` for another master that will not come would only stall the
+        publish. A dead master is refused, a paused one does not answer in time."""
+        now = time.monotonic()
+        if now - self._suspect_probed_at < 1.0:
+            return False
+        self._suspect_probed_at = now
+        try:
+            call_relay(self._stub(ref.address).Health, relay_pb2.HealthRequest(),
+                       f"health of relay {ref.member_id}", min(self.probe_timeout_s, 0.5))
+        except LaminarError:
+            return False
+        log.info("master %s answers again; publishing to it", ref.member_id)
+        self._suspect = None
+        return True
 
     def _is_suspect(self, ref: RelayRef) -> bool:
         """The master a publish just failed on, the same process (a relay restarted
