@@ -2,7 +2,9 @@ import os
 import signal
 import threading
 
-from laminar_common.service import Service, ServiceState
+from laminar_common.config import LaminarModel, LoggingConfig
+from laminar_common.errors import LaminarError
+from laminar_common.service import Service, ServiceState, serve
 
 
 class Probe(Service):
@@ -51,3 +53,41 @@ def test_sigterm_closes_gracefully():
     assert s.run_forever() == 0
     assert s.close_reason == "signal SIGTERM"
     assert s.closed_calls == 1
+
+
+class _Cfg(LaminarModel):
+    job: str = "unit"
+    size: int = 1
+    logging: LoggingConfig = LoggingConfig()
+
+
+def test_serve_exits_2_on_a_bad_config_and_prints_only_when_asked(capsys):
+    ran = []
+    code = serve("prog", _Cfg, None, ["size=big"], print_only=False,
+                 member=lambda c, ctx: "m", run=lambda c, ctx: ran.append(c) or 0)
+    assert code == 2 and not ran
+    assert capsys.readouterr().err.startswith("prog: ")
+    code = serve("prog", _Cfg, None, ["size=3"], print_only=True,
+                 member=lambda c, ctx: "m", run=lambda c, ctx: ran.append(c) or 0,
+                 checks=lambda c: [f"WARNING: size {c.size}"])
+    out = capsys.readouterr()
+    assert code == 0 and not ran and "size: 3" in out.out and "WARNING: size 3" in out.err
+
+
+def test_serve_runs_with_its_context_and_closes_it_whatever_happens(capsys):
+    class Ctx:
+        closed = 0
+
+        def close(self):
+            Ctx.closed += 1
+
+    def fail(config, ctx):
+        raise LaminarError("it broke")
+
+    assert serve("prog", _Cfg, None, [], print_only=False, context=lambda c: Ctx(),
+                 member=lambda c, ctx: "m", run=lambda c, ctx: 7 if isinstance(ctx, Ctx) else 0
+                 ) == 7
+    assert serve("prog", _Cfg, None, [], print_only=False, context=lambda c: Ctx(),
+                 member=lambda c, ctx: "m", run=fail, failed=1) == 1
+    assert Ctx.closed == 2
+    assert "prog: error: it broke" in capsys.readouterr().err

@@ -8,6 +8,8 @@ A :class:`Service` subclass implements ``_start`` (bind, register, spawn
 background threads via :meth:`spawn`) and ``_close`` (stop them, release
 resources). A background loop that dies with an unexpected exception marks
 the service failed with the traceback logged; ``run_forever`` then returns 1.
+
+:func:`serve` is every tier CLI's serving command (config, logging, run, exit code).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 import abc
 import logging
 import signal
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["Service", "ServiceState"]
+__all__ = ["Service", "ServiceState", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +135,63 @@ class Service(abc.ABC):
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return 1 if self.failure else 0
+
+
+def serve(prog: str, model: type, path: str | None, overrides: Sequence[str], *,
+          print_only: bool, member: Callable[[Any, Any], str],
+          run: Callable[[Any, Any], int], prepare: Callable[[Any], Any] | None = None,
+          checks: Callable[[Any], list[str]] | None = None,
+          context: Callable[[Any], Any] | None = None,
+          logger: logging.Logger | None = None, failed: int = 2) -> int:
+    """What every tier's serving command does, in one place; returns its exit code.
+
+    1. Loads the config (defaults < file < ``LAMINAR_*`` < ``--set``) and applies
+       ``prepare`` (refuse what cannot run, fill defaults); an error is printed as
+       ``prog: ...`` and exits 2.
+    2. ``print_only``: runs ``checks`` (a refusal exits 2; the warnings it returns go
+       to stderr after), prints the resolved config and exits 0.
+    3. ``context(config)`` (such as the trainer's process group; an error exits 2)
+       gives ``ctx``, closed at the end if it has ``close``.
+    4. Logging as the config says, for member ``member(config, ctx)``; the resolved
+       config logged to ``logger``.
+    5. ``run(config, ctx)``: builds the service and returns its ``run_forever()``; a
+       :class:`LaminarError` from it is logged, printed and exits ``failed``.
+    """
+    from laminar_common.config import dump_config, load_config, log_resolved
+    from laminar_common.errors import LaminarError
+    from laminar_common.logs import setup_logging
+
+    try:
+        config = load_config(model, path, overrides)
+        if prepare is not None:
+            config = prepare(config)
+    except LaminarError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    if print_only:
+        try:  # before the dump: a refusal is then the error alone
+            warnings = checks(config) if checks is not None else []
+        except LaminarError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
+        print(dump_config(config))
+        for line in warnings:
+            print(line, file=sys.stderr)
+        return 0
+    try:
+        ctx = context(config) if context is not None else None
+    except LaminarError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        setup_logging(config.logging.level, config.job, member(config, ctx),
+                      config.logging.json_format)
+        log_resolved(logger or log, config, path)
+        return run(config, ctx)
+    except LaminarError as exc:
+        (logger or log).error("%s", exc)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return failed
+    finally:
+        if ctx is not None and hasattr(ctx, "close"):
+            ctx.close()

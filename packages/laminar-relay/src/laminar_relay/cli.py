@@ -53,38 +53,25 @@ def cli() -> None:
 @clitools.set_option("--set store.keep_versions=3")
 @_option("--check", is_flag=True, help="validate the config, print it resolved, and exit")
 def serve(config: str | None, overrides: tuple[str, ...], check: bool) -> int:
-    from laminar_common.config import dump_config, load_config, log_resolved
-    from laminar_common.errors import ConfigError, LaminarError
-    from laminar_common.logs import setup_logging
+    from laminar_common.service import serve as serve_tier
 
     from .config import RelayConfig
 
-    try:
-        resolved = load_config(RelayConfig, config, overrides)
-    except ConfigError as exc:
-        print(f"laminar-relay: {exc}", file=sys.stderr)
-        return 2
-    if check:
-        print(dump_config(resolved))
-        return 0
+    def prepare(resolved: RelayConfig) -> RelayConfig:
+        if resolved.member_id is not None or check:
+            return resolved
+        from .service import default_member_id
 
-    from .service import default_member_id, make_relay_service
+        return resolved.model_copy(update={"member_id": default_member_id()})
 
-    if resolved.member_id is None:
-        resolved = resolved.model_copy(update={"member_id": default_member_id()})
-    setup_logging(
-        resolved.logging.level,
-        job=resolved.job,
-        member=resolved.member_id or "",
-        json_format=resolved.logging.json_format,
-    )
-    log_resolved(log, resolved, config)
-    try:
-        service = make_relay_service(resolved)
-        return service.run_forever()
-    except LaminarError as exc:
-        log.error("relay failed: %s", exc)
-        return 1
+    def run(resolved: RelayConfig, _ctx: None) -> int:
+        from .service import make_relay_service
+
+        return make_relay_service(resolved).run_forever()
+
+    return serve_tier("laminar-relay", RelayConfig, config, overrides, print_only=check,
+                      prepare=prepare, member=lambda c, _ctx: c.member_id or "", run=run,
+                      logger=log, failed=1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,42 +75,27 @@ def manage(config: str | None, overrides: tuple[str, ...], print_config: bool,
 
 def _run(cmd: str, path: str | None, overrides: tuple[str, ...], print_config: bool,
          resume: bool) -> int:
-    from laminar_common.config import dump_config, load_config, log_resolved
-    from laminar_common.errors import LaminarError
-    from laminar_common.logs import setup_logging
+    from laminar_common.service import serve as serve_tier
 
     from .config import ManagerConfig, WorkerConfig
 
-    model = WorkerConfig if cmd == "serve" else ManagerConfig
-    try:
-        config = load_config(model, path, overrides)
-    except LaminarError as exc:
-        print(f"laminar-rollout {cmd}: {exc}", file=sys.stderr)
-        return 2
-    if print_config:
+    worker = cmd == "serve"
+
+    def checks(config) -> list[str]:
         from .preflight import WARNING_PREFIX, check_manager, check_worker
 
-        try:  # before the config's dump: a refusal is then the error alone (laminar up
-            # defers one that names only a file its set-up writes)
-            warnings = check_worker(config) if cmd == "serve" else check_manager(config)
-        except LaminarError as exc:
-            print(f"laminar-rollout {cmd}: {exc}", file=sys.stderr)
-            return 2
-        print(dump_config(config))
-        for line in warnings:
-            print(f"{WARNING_PREFIX}{line}", file=sys.stderr)
-        return 0
-    member = config.worker_id if cmd == "serve" else config.manager_id
-    setup_logging(config.logging.level, config.job, member, config.logging.json_format)
-    log_resolved(logging.getLogger(__name__), config, path)
-    try:
-        service = make_worker_service(config) if cmd == "serve" else \
+        lines = check_worker(config) if worker else check_manager(config)
+        return [f"{WARNING_PREFIX}{line}" for line in lines]
+
+    def run(config, _ctx: None) -> int:
+        service = make_worker_service(config) if worker else \
             make_manager_service(config, resume=resume)
         return service.run_forever()
-    except LaminarError as exc:
-        logging.getLogger(__name__).error("%s", exc)
-        print(f"laminar-rollout {cmd}: error: {exc}", file=sys.stderr)
-        return 2
+
+    return serve_tier(f"laminar-rollout {cmd}", WorkerConfig if worker else ManagerConfig,
+                      path, overrides, print_only=print_config, checks=checks, run=run,
+                      member=lambda c, _ctx: c.worker_id if worker else c.manager_id,
+                      logger=logging.getLogger(__name__))
 
 
 def engine_config_for(eng, worker_id: str):

@@ -37,7 +37,7 @@ import queue
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -61,6 +61,7 @@ from .engines import SamplingParams as EngineSampling
 from .engines.base import KVState, call_with_deadline
 from .engines.kv_wire import kv_from_wire, kv_to_wire
 from .kv_plane import KvFetchError, KvPlane, fetch_kv
+from .relay_fetch import FetchedVersion, WeightFetcher
 from .rewards import RewardFn, RewardPool, load_reward_fn
 from .tokenizer import Tokenizer
 from .version import __version__
@@ -69,28 +70,6 @@ __all__ = ["WorkerService", "WeightFetcher", "FetchedVersion"]
 
 log = logging.getLogger(__name__)
 
-WeightFetcher = Callable[[int], "FetchedVersion"]
-"""``fetch(version) -> FetchedVersion``."""
-
-
-class FetchedVersion:
-    """One weight version ready to load: named tensors (None for the simulated
-    engine) and a ``release`` to call once the engine has copied them.
-    ``wire_bytes``: version bytes moved to get it; ``delta``: rebuilt from deltas."""
-
-    def __init__(self, version: int, tensors: Iterable[tuple[str, Any]] | None,
-                 release: Callable[[], None] | None = None, *, wire_bytes: int = 0,
-                 delta: bool = False) -> None:
-        self.version = version
-        self.tensors = tensors
-        self._release = release
-        self.wire_bytes = wire_bytes
-        self.delta = delta
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
 
 
 def engine_label(engine: object) -> str:

@@ -56,35 +56,26 @@ def run(config: str | None, overrides: tuple[str, ...], resume: bool, print_conf
 
 
 def _run(path: str | None, overrides: tuple[str, ...], resume: bool, print_config: bool) -> int:
-    from laminar_common.config import dump_config, load_config, log_resolved
     from laminar_common.errors import LaminarError
-    from laminar_common.logs import setup_logging
+    from laminar_common.service import serve as serve_tier
 
     from .config import TrainerConfig
 
-    try:
-        config = load_config(TrainerConfig, path, overrides)
+    def prepare(config: TrainerConfig) -> TrainerConfig:
         if config.model_dir is None and config.simulate is None:
             raise LaminarError("trainer config: set model_dir (or simulate, for benchmarks)")
-    except LaminarError as exc:
-        print(f"laminar-trainer run: {exc}", file=sys.stderr)
-        return 2
-    if print_config:
-        print(dump_config(config))
-        return 0
-    from .distributed import init_distributed
+        return config
 
-    try:
-        dist = init_distributed(config.device, config.batch_groups, config.wait_timeout_s + 600,
+    def context(config: TrainerConfig):
+        from .distributed import init_distributed
+
+        return init_distributed(config.device, config.batch_groups, config.wait_timeout_s + 600,
                                 config.optim.mini_batches)
-    except LaminarError as exc:
-        print(f"laminar-trainer run: {exc}", file=sys.stderr)
-        return 2
-    member = config.trainer_id if dist is None else f"{config.trainer_id}/rank{dist.rank}"
-    setup_logging(config.logging.level, config.job, member, config.logging.json_format)
-    if dist is None or dist.is_main:
-        log_resolved(logging.getLogger(__name__), config, path)
-    try:
+
+    def member(config: TrainerConfig, dist) -> str:
+        return config.trainer_id if dist is None else f"{config.trainer_id}/rank{dist.rank}"
+
+    def run(config: TrainerConfig, dist) -> int:
         if dist is not None and not dist.is_main:
             from .policy import run_follower
 
@@ -92,12 +83,10 @@ def _run(path: str | None, overrides: tuple[str, ...], resume: bool, print_confi
         from .service import TrainerService
 
         return TrainerService(config, resume=resume, dist=dist).run_forever()
-    except LaminarError as exc:
-        print(f"laminar-trainer run: error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if dist is not None:
-            dist.close()
+
+    return serve_tier("laminar-trainer run", TrainerConfig, path, overrides,
+                      print_only=print_config, prepare=prepare, context=context, member=member,
+                      run=run, logger=logging.getLogger(__name__))
 
 
 @cli.command(short_help="build, briefly supervise and save the demo's tiny model",
