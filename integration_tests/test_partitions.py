@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_until
 from laminar_common.errors import LaminarError
 from laminar_common.testing.hosts import unavailable
 
@@ -53,21 +54,12 @@ def net(tmp_path_factory):
     stack.closed = False
     try:
         stack.start()
-        assert _wait(lambda: len(_rows(stack)) >= 5, 90), "the trainer took no steps"
+        assert wait_until(lambda: len(_rows(stack)) >= 5, 90), "the trainer took no steps"
         yield stack
     finally:
         (root / "partitions.json").write_text(json.dumps(RECOVERY, indent=2))
         if not stack.closed:
             stack.shutdown()
-
-
-def _wait(cond, timeout_s: float, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval_s)
-    return bool(cond())
 
 
 def _rows(stack) -> list[dict]:
@@ -97,8 +89,8 @@ def _all_registered(stack) -> bool:
 
 def _healthy(stack) -> None:
     """Every tier registered and the trainer stepping (each test starts from this)."""
-    assert _wait(lambda: _all_registered(stack), 40), sorted(_members(stack))
-    assert _wait(lambda: _step_times(stack, time.time() - 2, time.time()), 40)
+    assert wait_until(lambda: _all_registered(stack), 40), sorted(_members(stack))
+    assert wait_until(lambda: _step_times(stack, time.time() - 2, time.time()), 40)
     assert all(p.alive() for p in stack.procs.values()), \
         {n: p.tail(5) for n, p in stack.procs.items() if not p.alive()}
 
@@ -146,7 +138,7 @@ def test_a_worker_host_cut_from_everything_rejoins_and_the_others_carry_on(net):
     gap = _max_gap(net, t_cut, t_heal)
     # Two workers were left: training went on through the cut.
     assert gap < 3.0, gap
-    assert _wait(lambda: "worker-0" in _members(net), 20), "worker-0 never registered again"
+    assert wait_until(lambda: "worker-0" in _members(net), 20), "worker-0 never registered again"
     back = time.time() - t_heal
     _say("worker host cut 2xTTL", longest_step_gap_s=round(gap, 2),
          registered_again_after_heal_s=round(back, 2))
@@ -167,7 +159,7 @@ def test_a_worker_cut_from_the_trainer_only_has_its_work_done_elsewhere(net):
     cut_steps = _step_times(net, t_cut, t_heal)
     gaps = [b - a for a, b in zip([t_cut, *cut_steps], cut_steps)]
     assert "no link to the trainer" in _log(net, "manager")
-    assert _wait(lambda: "link to the trainer is back" in _log(net, "worker-1"), 15)
+    assert wait_until(lambda: "link to the trainer is back" in _log(net, "worker-1"), 15)
     _say("worker cut from the trainer 6xTTL", longest_step_gap_s=round(max(gaps), 2),
          steps_in_last_4s_of_cut=len(late))
 
@@ -197,10 +189,10 @@ def test_the_trainer_cut_from_the_relays_trains_on_and_publishes_the_newest_vers
     in_cut = _trained_to_the_bound(net, t_cut, t_heal, latest)
     at_heal = max(r["step"] for r in _rows(net) if r["time"] <= t_heal)
     assert net.procs["trainer"].alive()
-    assert _wait(lambda: (v := net.watch.latest_version()) is not None and v.version >= at_heal,
+    assert wait_until(lambda: (v := net.watch.latest_version()) is not None and v.version >= at_heal,
                  20), "the trainer's newest weights were not published after the link healed"
     published = time.time() - t_heal
-    assert _wait(lambda: _step_times(net, t_heal, time.time()), 20)
+    assert wait_until(lambda: _step_times(net, t_heal, time.time()), 20)
     stepped = min(_step_times(net, t_heal, time.time())) - t_heal
     _say("trainer cut from the relays 2xTTL", steps_during_cut=in_cut,
          newest_version_published_after_heal_s=round(published, 2),
@@ -224,7 +216,7 @@ def test_the_master_relay_cut_from_the_trainer_only_takes_its_weights_again_afte
     t_heal = time.time()
     assert net.watch.leader("relay-master") == master
     at_heal = max(r["step"] for r in _rows(net) if r["time"] <= t_heal)
-    assert _wait(lambda: (v := net.watch.latest_version()) is not None and v.version >= at_heal,
+    assert wait_until(lambda: (v := net.watch.latest_version()) is not None and v.version >= at_heal,
                  6), "the newest weights did not reach the master within 6 s of the heal"
     published = time.time() - t_heal
     _say("master relay cut from the trainer 2xTTL",
@@ -240,9 +232,9 @@ def test_the_etcd_host_cut_from_every_tier_costs_no_more_than_the_staleness_boun
     _healthy(net)
     t_cut, t_heal, latest = _cut_for(net, "etcd", None, 2 * TTL)
     in_cut = _trained_to_the_bound(net, t_cut, t_heal, latest)
-    assert _wait(lambda: _all_registered(net), 30), sorted(_members(net))
+    assert wait_until(lambda: _all_registered(net), 30), sorted(_members(net))
     registered = time.time() - t_heal
-    assert _wait(lambda: _step_times(net, t_heal, time.time()), 30)
+    assert wait_until(lambda: _step_times(net, t_heal, time.time()), 30)
     stepped = min(_step_times(net, t_heal, time.time())) - t_heal
     assert all(p.alive() for p in net.procs.values())
     _say("etcd host cut 2xTTL", steps_during_cut=in_cut,
