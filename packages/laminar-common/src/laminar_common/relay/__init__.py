@@ -10,8 +10,6 @@ fetcher (a rollout, or your own engine) need to talk to the relay tier:
 - :mod:`.wire`: gRPC status/metadata mapping, typed relay errors, manifest
   <-> protobuf, and the one place for gRPC channel options;
 - :mod:`.dataplane`: the ZeroMQ chunk stream between relays and clients;
-- :mod:`.tensors`: :func:`tensors_from`, a fetched version as torch tensors (torch
-  imported only when it is called);
 - :mod:`.manifests`: named byte buffers <-> a version's chunked, checksummed
   byte stream (pure Python, no array library);
 - :mod:`.proto`: generated protobuf/gRPC code (source ``relay.proto`` ships in
@@ -31,7 +29,6 @@ _EXPORTS = {
     "StoreFullError": "wire", "ChecksumError": "wire",
     "NamedBuffer": "manifests", "as_named_buffers": "manifests", "build_manifest": "manifests",
     "tensor_views": "manifests", "assemble": "manifests",
-    "tensors_from": "tensors",
 }
 
 __all__ = list(_EXPORTS)
