@@ -402,9 +402,9 @@ def delta_sequence(model_name: str, lr: float, steps: int, seq_len: int = 64,
 # -- --hosts: the chain on emulated hosts with capped links ---------------------------
 
 
-def _tensors(size: int, n_tensors: int = 8):
-    """``size`` random bytes as ``n_tensors`` uint8 tensors (name, dtype, shape, buffer)."""
-    data = os.urandom(size)
+def _tensors(data: bytes, n_tensors: int = 8):
+    """``data`` as ``n_tensors`` uint8 tensors (name, dtype, shape, buffer), zero-copy."""
+    size = len(data)
     per = size // n_tensors
     return [
         (
@@ -509,7 +509,7 @@ def hosts_inner(spec: dict, args: argparse.Namespace) -> int:
           f"host fetching each version; real etcd and relays, verify_forwarded on")
     print(f"machine: {os.cpu_count()} CPUs shared by every host; S/B = {limit:.3f} s (the "
           f"physical limit; TCP/IP headers alone cost ~4% of a link)")
-    tensors = _tensors(size)
+    tensors = _tensors(os.urandom(size))
     print(f"{'N':>3} {'broadcast_s':>11} {'x S/B':>6} {'chain_best_s':>12} {'x best':>6} "
           f"{'stall_s':>7} {'readers_s':>9} {'x S/B':>6} {'relay_cpu_s':>{5 * max(ns) + 4}}")
     failed = False
@@ -665,17 +665,7 @@ def main() -> int:
     )
     print(f"machine: {os.cpu_count()} CPUs shared by the publisher and all relays")
     data = os.urandom(size)
-    n_tensors = 8
-    per = size // n_tensors
-    tensors = [
-        (
-            f"layer{i}.weight",
-            "uint8",
-            (per if i < n_tensors - 1 else size - per * (n_tensors - 1),),
-            memoryview(data)[i * per : (i + 1) * per if i < n_tensors - 1 else size],
-        )
-        for i in range(n_tensors)
-    ]
+    tensors = _tensors(data)
 
     ideal = min(measure_transport("raw", data, chunk) for _ in range(2))
     print(

@@ -105,10 +105,10 @@ class ManagerStats:
     not take it; ``migrations_placed`` of them)."""
     pulls_commanded: int = 0
     lease_expired_kept: int = 0
+    """Workers whose lease expired while they kept talking (etcd paused): kept."""
     workers_cut_off: int = 0
     """Workers whose finished work was generated again elsewhere because they could not
     reach a trainer that other workers reached."""
-    """Workers whose lease expired while they kept talking (etcd paused): kept."""
     trainer_rejections: int = 0
     """Trajectories the trainer refused by content (each generated again or failed)."""
     filtered_notices: int = 0

@@ -500,6 +500,10 @@ class WorkerService(Service):
         self.counters["trainer_switches"] += 1
         log.info("trainer %s at %s; re-sending %d unacked trajectories", record.member_id,
                  record.address, len(self.outbox))
+        self._push_outbox()
+
+    def _push_outbox(self) -> None:
+        """Push every unacked trajectory again (the trainer refuses copies it has by id)."""
         for traj in list(self.outbox.values()):
             self._push(traj)
 
@@ -516,8 +520,7 @@ class WorkerService(Service):
             self.counters["trainer_reconnects"] += 1
             log.warning("link to the trainer is back; re-sending %d unacked trajectories",
                         len(self.outbox))
-            for traj in list(self.outbox.values()):
-                self._push(traj)
+            self._push_outbox()
             return
         down = self._trainer_down_s = self.trainer.down_s()
         now = time.monotonic()
@@ -894,11 +897,11 @@ class WorkerService(Service):
 
 
 _MIN_EARLY_REPORT_S = 0.01
+"""Early reports (``refill_fraction``) come at most this often."""
 TRAINER_DOWN_SAY_AFTER_S = 5.0
 """A link to the trainer down this long is warned about ..."""
 TRAINER_DOWN_SAY_EVERY_S = 10.0
 """... and again this often while it stays down."""
-"""Early reports (``refill_fraction``) come at most this often."""
 FULL_PROGRESS_EVERY = 100
 """Every this many reports, progress carries every token: it mends what the manager
 missed (a frame lost with a dropped connection; the manager then still holds a shorter,
