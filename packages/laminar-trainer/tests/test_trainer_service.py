@@ -539,7 +539,10 @@ def test_dynamic_sampling_trains_only_informative_groups_and_tells_the_manager(
     svc = h.start()
     try:
         h.send(svc, _uniform("u1") + _trajs("a") + _uniform("u2", reward=0.0) + _trajs("b"))
-        assert _wait(lambda: svc.step == 1, 30)
+        # The step counter moves before the step's accounting: u3 goes out only once
+        # step 1 has accounted u1 and u2, or step 1 may count u3 too.
+        assert _wait(lambda: svc.step == 1 and svc._filtered_last_step == 2, 30), \
+            (svc.step, svc._filtered_last_step)
         # The notices come while the trainer waits (no step needed), before any ack.
         h.send(svc, _uniform("u3") + _trajs("c"))
         assert _wait(lambda: (h.drain_acks(0.1), sorted(h.filtered))[1] == ["u1", "u2", "u3"],
