@@ -31,7 +31,7 @@ import sys
 
 import click
 
-from laminar_common.launch import clitools
+from laminar_common import clitools
 
 __all__ = ["main", "cli"]
 

@@ -1,7 +1,7 @@
 """laminar_common.launch: the operator toolkit.
 
 Owns what runs a job rather than what a job is made of: the ``laminar`` CLI
-(:mod:`.cli`) and what every tier's CLI shares (:mod:`.clitools`), the job
+(:mod:`.cli`), the job
 file (:mod:`.jobfile`), the local and Ray launchers (:mod:`.local`,
 :mod:`.ray_backend`), checking every tier's config before a launch
 (:mod:`.preflight`), a launch's run dir (:mod:`.rundir`), a local etcd (:mod:`.local_etcd`),
