@@ -1,4 +1,6 @@
-"""``laminar``: options, env vars, ``--set``, shell completion, a slim ``--help``."""
+"""``laminar``: options, env vars, ``--set``, shell completion, a slim ``--help``.
+
+``laminar prompts`` is ``laminar-examples prompts`` now (examples/tests/test_examples_cli.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 
 from laminar_common.config import load_config
-from laminar_common.jsonl import read_jsonl
 from laminar_common.launch.cli import cli, main
 from laminar_common.launch.member import MemberConfig
 from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd, MemberRecord, VersionRecord
@@ -50,14 +51,13 @@ def _option_envvars(command_name: str) -> dict[str, str]:
 
 
 def test_the_commands_and_their_options_are_those_of_before():
-    assert sorted(cli.commands) == ["demo", "etcd", "keys", "member", "prompts", "replay",
+    assert sorted(cli.commands) == ["demo", "etcd", "keys", "member", "replay",
                                     "report", "samples", "status", "up"]
     opts = {name: {o for p in cmd.params for o in p.opts} for name, cmd in cli.commands.items()}
     assert opts["up"] == {"job", "--set", "--backend", "--address", "--ray-address", "--num-cpus",
                           "--resume", "--fresh"}
     assert opts["status"] >= {"--etcd", "--job", "--auth-dir", "--etcd-ca", "--etcd-cert",
                               "--etcd-key"}
-    assert opts["prompts"] >= {"--task", "--n", "--split", "--seed", "--out", "--difficulty"}
     assert opts["keys"] >= {"--out", "--etcd", "--etcd-host"}
     assert opts["replay"] == {"run_dir", "--step", "--trajectory", "--dtype"}
     assert opts["samples"] == {"run_dir", "--step", "--worst", "--best", "--longest", "--count",
@@ -103,14 +103,6 @@ def test_options_come_from_their_env_vars(monkeypatch, tmp_path, started, capsys
     assert main(["member"]) == 0
     assert started[0].member_id == "from-file"
 
-    out = tmp_path / "p.jsonl"
-    monkeypatch.setenv("LAMINAR_PROMPTS_N", "7")
-    monkeypatch.setenv("LAMINAR_PROMPTS_TASK", "add")
-    monkeypatch.setenv("LAMINAR_PROMPTS_OUT", str(out))
-    assert main(["prompts", "--seed", "3"]) == 0
-    records = read_jsonl(out)
-    assert len(records) == 7 and {r["task"] for r in records} == {"add"}
-
     monkeypatch.setenv("LAMINAR_UP_BACKEND", "slurm")
     assert main(["up", str(tmp_path / "job.yaml")]) == 2
     assert "Invalid value for '--backend'" in capsys.readouterr().err
@@ -142,7 +134,7 @@ def test_usage_errors_exit_2(capsys):
     assert "launch.json: not a laminar up run dir" in capsys.readouterr().err
     assert main(["up", "x.yaml", "--resume", "--fresh"]) == 2
     assert "--resume and --fresh exclude each other" in capsys.readouterr().err
-    assert main(["prompts", "--out", "x.jsonl", "--split", "test"]) == 2
+    assert main(["up", "x.yaml", "--backend", "slurm"]) == 2
     assert main(["demo", "--members", "three"]) == 2
     assert main(["no-such-command"]) == 2
     assert main([]) == 2
@@ -200,8 +192,8 @@ def test_completion_script_and_completions(monkeypatch):
     assert "complete -o nosort -F _laminar_completion laminar" in script.output
     words = runner.invoke(cli, [], prog_name="laminar",
                           env={"_LAMINAR_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar prompts --split ", "COMP_CWORD": "3"})
-    assert words.output.split() == ["plain,train", "plain,eval"]
+                               "COMP_WORDS": "laminar up job.yaml --backend ", "COMP_CWORD": "4"})
+    assert words.output.split() == ["plain,local", "plain,ray"]
     words = runner.invoke(cli, [], prog_name="laminar",
                           env={"_LAMINAR_COMPLETE": "bash_complete",
                                "COMP_WORDS": "laminar st", "COMP_CWORD": "1"})

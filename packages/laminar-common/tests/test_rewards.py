@@ -13,7 +13,6 @@ from laminar_common.data.rewards import (
     score,
 )
 from laminar_common.errors import ConfigError
-from laminar_common.launch.tasks import synthetic_reward
 
 needs_math_verify = pytest.mark.skipif(
     importlib.util.find_spec("math_verify") is None,
@@ -114,11 +113,20 @@ def test_builtins_resolve_by_name():
     assert load_reward_fn("math") is math_reward
     assert load_reward_fn("gsm8k") is gsm8k_reward
     assert load_reward_fn("exact") is exact_reward
-    assert load_reward_fn("synthetic") is synthetic_reward
     assert load_reward_fn("laminar_common.data.rewards:gsm8k_reward") is gsm8k_reward
-    fn = load_reward_fn("synthetic")
-    assert fn("sort 321=", "123", {"task": "sort", "answer": "123"}) == 1.0
-    assert fn("sort 321=", "132", {"task": "sort", "answer": "123"}) == 0.0
+    # the demo's reward lives with its tasks, in laminar-examples (examples/tests load it)
+    assert BUILTIN_REWARDS["synthetic"] == "laminar_examples.tasks:synthetic_reward"
+
+
+def test_the_synthetic_builtin_without_laminar_examples_says_what_to_install(monkeypatch):
+    for name in [m for m in sys.modules if m.split(".")[0] == "laminar_examples"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "laminar_examples", None)  # as if not installed
+    for spec in ("synthetic", "laminar_examples.tasks:synthetic_reward"):
+        with pytest.raises(ConfigError, match="pip install laminar-examples") as info:
+            load_reward_fn(spec)
+        assert repr(spec) in str(info.value)
+        assert "laminar-examples package, which is not installed" in str(info.value)
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -158,8 +166,6 @@ def test_score_turns_failures_into_errors():
         assert reward == 0.0 and "returned" in err
     reward, err = score(lambda p, c, m: "not a number", "p", "c", {})
     assert reward == 0.0 and "ValueError" in err
-    reward, err = score(synthetic_reward, "p", "1", {"task": "nope", "answer": "1"})
-    assert reward == 0.0 and "unknown task" in err
 
 
 @pytest.fixture

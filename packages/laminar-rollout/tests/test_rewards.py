@@ -44,6 +44,19 @@ def test_old_spec_still_loads_with_the_new_signature():
         load_reward_fn("laminar_rollout.rewards:missing")
 
 
+def test_the_synthetic_alias_without_laminar_examples_says_what_to_install(monkeypatch):
+    """The demo's reward lives in laminar-examples, which this tier does not import: the
+    alias resolves it through the loader, and says what to install when it is missing."""
+    import sys
+
+    for name in [m for m in sys.modules if m.split(".")[0] == "laminar_examples"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "laminar_examples", None)  # as if not installed
+    for spec in ("synthetic", "laminar_rollout.rewards:synthetic_task"):
+        with pytest.raises(ConfigError, match="pip install laminar-examples"):
+            load_reward_fn(spec)
+
+
 def test_results_come_back_once_per_key_with_their_own_reward():
     pool = RewardPool(lambda p, c, m: float(m["n"]) * 2, workers=3, timeout_s=5)
     try:

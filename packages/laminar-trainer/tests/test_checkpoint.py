@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from laminar_common.errors import LaminarError
+from laminar_examples.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.checkpoint import (
     TrainerState,
     checkpoint_paths,
@@ -19,7 +20,6 @@ from laminar_trainer.checkpoint import (
     save_checkpoint,
 )
 from laminar_trainer.config import TrainerConfig
-from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.policy import build_training, restore_training
 
 CHAT_TEMPLATE = "{% for m in messages %}<bos>{{ m['content'] }}{% endfor %}"

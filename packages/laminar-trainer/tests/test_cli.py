@@ -28,19 +28,12 @@ def _option_envvars(command_name: str) -> dict[str, str]:
 
 
 def test_the_commands_and_their_options_are_those_of_before():
-    assert sorted(cli.commands) == ["export", "replay", "run", "warmstart", "warmstart-chat"]
+    # the warm starts are `laminar-examples warmstart` / `warmstart-chat` now
+    assert sorted(cli.commands) == ["export", "replay", "run"]
     assert set(_option_envvars("replay")) == {"--step"}
-    assert set(_option_envvars("warmstart-chat")) == {
-        "--out", "--steps", "--difficulty", "--demo-error-rate", "--seed", "--force"}
     assert set(_option_envvars("export")) == {"--out", "--dtype", "--force"}
     assert set(_option_envvars("run")) == {"--config", "--resume", "--print-config"}
-    assert set(_option_envvars("warmstart")) == {
-        "--out", "--task", "--steps", "--difficulty", "--demo-error-rate", "--target-accuracy",
-        "--seed", "--force"}
     assert _option_envvars("run")["--resume"] == "LAMINAR_TRAINER_RUN_RESUME"
-    defaults = {p.name: p.default for p in cli.commands["warmstart"].params}
-    assert defaults["task"] == "sort" and defaults["seed"] == 0
-    assert defaults["demo_error_rate"] == 0.0 and defaults["steps"] is None
 
 
 @pytest.mark.parametrize("command", sorted(cli.commands))
@@ -95,9 +88,10 @@ def test_a_missing_model_dir_fails_at_load_naming_the_field(tmp_path, capsys):
 
 
 def test_usage_errors_exit_2(capsys):
-    assert main(["warmstart"]) == 2  # --out is required
+    assert main(["export", "ckpt"]) == 2  # --out is required
     assert "Missing option '--out'" in capsys.readouterr().err
-    assert main(["warmstart", "--out", "x", "--steps", "many"]) == 2
+    assert main(["export", "ckpt", "--out", "x", "--dtype", "int3"]) == 2
+    assert main(["warmstart", "--out", "x"]) == 2  # laminar-examples warmstart now
     assert main(["run", "--no-such-option"]) == 2
     assert main([]) == 2
 
@@ -117,8 +111,8 @@ def test_completion_script_and_completions(monkeypatch):
     assert "complete -o nosort -F _laminar_trainer_completion laminar-trainer" in script.output
     words = runner.invoke(cli, [], prog_name="laminar-trainer",
                           env={"_LAMINAR_TRAINER_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar-trainer warmstart --t", "COMP_CWORD": "2"})
-    assert words.output.split() == ["plain,--task", "plain,--target-accuracy"]
+                               "COMP_WORDS": "laminar-trainer export --d", "COMP_CWORD": "2"})
+    assert words.output.split() == ["plain,--dtype"]
     monkeypatch.setenv("_LAMINAR_TRAINER_COMPLETE", "bash_source")
     with pytest.raises(SystemExit) as exit_info:
         main([])

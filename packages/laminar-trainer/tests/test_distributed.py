@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 
 from laminar_common.codec import Trajectory
 from laminar_common.errors import LaminarError
-from laminar_common.launch.tasks import make_task_records
+from laminar_examples.demo_model import build_tiny_model, build_tokenizer
+from laminar_examples.tasks import make_task_records
 from laminar_trainer.buffer import Group
 from laminar_trainer.checkpoint import latest_checkpoint
 from laminar_trainer.config import TrainerConfig
-from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.distributed import decode_groups, encode_groups, init_distributed
 from laminar_trainer.policy import build_training, evaluate_records, restore_training
 from laminar_trainer.step import train_step

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from laminar_examples.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.checkpoint import TrainerState, save_checkpoint
 from laminar_trainer.cli import main
-from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 
 CHAT_TEMPLATE = "{% for m in messages %}<bos>{{ m['content'] }}{% endfor %}"
 

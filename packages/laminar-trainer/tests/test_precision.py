@@ -11,9 +11,9 @@ import torch
 from laminar_common.codec import Trajectory
 from laminar_common.relay.client import FetchedWeights
 from laminar_common.relay.manifests import build_manifest, flatten
+from laminar_examples.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.buffer import Group
 from laminar_trainer.config import TrainerConfig
-from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.logprobs import compute_token_logprobs
 from laminar_trainer.policy import build_training
 from laminar_trainer.precision import autocast, mixed_precision_policy, torch_dtype

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from laminar_common.codec import Trajectory
+from laminar_examples.demo_model import EOS_ID, build_tokenizer
 from laminar_trainer.buffer import Group
 from laminar_trainer.config import SamplesConfig
-from laminar_trainer.demo_model import EOS_ID, build_tokenizer
 from laminar_trainer.samples import SampleLogger, pick_samples, truncate_text
 from laminar_trainer.tracking import MultiTracker
 

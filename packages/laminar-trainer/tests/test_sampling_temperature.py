@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from laminar_examples.demo_model import EOS_ID, PAD_ID, build_tiny_model, build_tokenizer
 from laminar_trainer.decoding import decode_completion, generate_completions
-from laminar_trainer.demo_model import EOS_ID, build_tiny_model, build_tokenizer
 from laminar_trainer.logprobs import compute_token_logprobs, encode_prompts
 
 SMALL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
@@ -31,8 +31,8 @@ def test_decoding_stops_on_any_of_several_eos_ids():
     tok = build_tokenizer()
     model = build_tiny_model(len(tok), **SMALL)
     prompts = encode_prompts(tok, ["sort 321=", "sort 213="])
-    free = generate_completions(model, prompts, 6)
+    free = generate_completions(model, prompts, 6, eos_id=EOS_ID, pad_id=PAD_ID)
     first = free.token_ids[0][0]
-    stopped = generate_completions(model, prompts, 6, eos_id=[EOS_ID, first])
+    stopped = generate_completions(model, prompts, 6, eos_id=[EOS_ID, first], pad_id=PAD_ID)
     assert stopped.token_ids[0] == [first] and stopped.finished[0]
     assert decode_completion(tok, stopped.token_ids[0], eos_ids=[EOS_ID, first]) == ""

@@ -14,13 +14,13 @@ import pytest
 
 from laminar_common.codec import Trajectory
 from laminar_common.errors import ConfigError
-from laminar_common.launch.tasks import make_task_records, write_jsonl
 from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd
 from laminar_common.transport import ZmqPushSender
+from laminar_examples.demo_model import build_tiny_model, build_tokenizer
+from laminar_examples.tasks import make_task_records, write_jsonl
 from laminar_trainer import cli
 from laminar_trainer import service as service_module
 from laminar_trainer.config import TrackingConfig, TrainerConfig
-from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.service import TrainerService
 from laminar_trainer.tracking import MultiTracker, flatten_scalars, make_trackers, markdown_table
 

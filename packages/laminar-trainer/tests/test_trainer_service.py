@@ -19,8 +19,8 @@ from laminar_common.membership import (
     VersionRecord,
 )
 from laminar_common.transport import ZmqPullReceiver, ZmqPushSender
+from laminar_examples.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.config import TrainerConfig
-from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.service import TrainerService
 
 JOB = "unit"

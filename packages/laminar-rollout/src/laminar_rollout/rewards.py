@@ -3,7 +3,9 @@ the decode loop.
 
 The contract, the built-ins (``math``, ``gsm8k``, ``exact``, ``synthetic``) and
 ``module:function`` loading live in :mod:`laminar_common.data.rewards` and are
-re-exported here: a reward is ``fn(prompt, completion, metadata) -> float``.
+re-exported here: a reward is ``fn(prompt, completion, metadata) -> float``. The
+``synthetic`` built-in (the demo's tasks) lives in the laminar-examples package; this
+tier never imports it, ``synthetic_task`` resolves it through the loader on first use.
 
 :class:`RewardPool` runs reward calls on a few threads so that a slow reward
 (math-verify simplifying an expression, a remote judge) never stalls
@@ -43,7 +45,6 @@ from laminar_common.data.rewards import (
     load_reward_fn,
     score,
 )
-from laminar_common.launch.tasks import synthetic_reward
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -52,18 +53,26 @@ __all__ = [
     "exact_answer",
     "load_reward_fn",
     "score",
-    "synthetic_task",
 ]
 
 log = logging.getLogger(__name__)
 
-synthetic_task = synthetic_reward
-"""Kept so the spec ``laminar_rollout.rewards:synthetic_task`` still loads; the
-built-in name ``synthetic`` is the same function."""
-
 exact_answer = exact_reward
 """Kept so the spec ``laminar_rollout.rewards:exact_answer`` still loads; the
 built-in name ``exact`` is the same function."""
+
+
+def __getattr__(name: str):
+    """``synthetic_task``: kept so the spec ``laminar_rollout.rewards:synthetic_task`` still
+    loads; it is the built-in ``synthetic`` (``load_reward_fn("synthetic")``, from the
+    laminar-examples package), resolved when first asked for.
+
+    Raises:
+        ConfigError: laminar-examples is not installed (the message says to install it).
+    """
+    if name == "synthetic_task":
+        return load_reward_fn("synthetic")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(eq=False)

@@ -1,5 +1,6 @@
-"""``laminar-trainer``: ``run`` (the trainer), ``warmstart`` (build the demo's tiny model)
-and ``export`` (a checkpoint's model as a clean Hugging Face directory).
+"""``laminar-trainer``: ``run`` (the trainer), ``export`` (a checkpoint's model as a clean
+Hugging Face directory) and ``replay`` (recompute a step). The demo's warm starts are
+``laminar-examples warmstart`` / ``warmstart-chat`` (the laminar-examples package).
 
 A click group. Arguments are parsed and the config validated completely
 before torch or transformers are imported, so ``--help``, shell completion
@@ -25,7 +26,6 @@ Exit codes: 0 done, 2 bad arguments, a bad config or a
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
@@ -87,91 +87,6 @@ def _run(path: str | None, overrides: tuple[str, ...], resume: bool, print_confi
     return serve_tier("laminar-trainer run", TrainerConfig, path, overrides,
                       print_only=print_config, prepare=prepare, context=context, member=member,
                       run=run, logger=logging.getLogger(__name__))
-
-
-@cli.command(short_help="build, briefly supervise and save the demo's tiny model",
-             help="Build, briefly supervise and save the demo's tiny model.")
-@_option("--out", required=True, type=click.Path(), help="output directory (save_pretrained)")
-@_option("--task", default="sort", help="synthetic task (sort, reverse, add, repeat)")
-@_option("--steps", type=int, default=None,
-         help="supervised steps (the most of them with --target-accuracy)")
-@_option("--difficulty", multiple=True, metavar="KEY=INT",
-         help="task difficulty override, e.g. max_len=6 (repeatable)")
-@_option("--demo-error-rate", type=float, default=0.0,
-         help="fraction of demonstrations answering with the task's plausible mistake")
-@_option("--target-accuracy", type=float, default=None,
-         help="stop once greedy accuracy on unseen train prompts reaches this")
-@_option("--seed", type=int, default=0, help="seed")
-@_option("--force", is_flag=True, help="rebuild even if --out holds a model")
-def warmstart(out: str, task: str, steps: int | None, difficulty: tuple[str, ...],
-              demo_error_rate: float, target_accuracy: float | None, seed: int,
-              force: bool) -> int:
-    from pathlib import Path
-
-    import torch
-
-    from laminar_common.launch.tasks import parse_difficulty
-
-    from .warmstart import DEFAULT_WARM_START_STEPS, warm_start
-
-    out_dir = Path(out)
-    if (out_dir / "warm_start.json").is_file() and not force:
-        print(f"warm start: {out_dir} already holds a model "
-              f"({(out_dir / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
-        return 0
-    torch.set_num_threads(2)
-    try:
-        result = warm_start(
-            out_dir, task=task, seed=seed,
-            steps=steps if steps is not None else DEFAULT_WARM_START_STEPS,
-            difficulty=parse_difficulty(task, list(difficulty)),
-            demo_error_rate=demo_error_rate, target_accuracy=target_accuracy)
-    except ValueError as exc:
-        print(f"laminar-trainer warmstart: {exc}", file=sys.stderr)
-        return 2
-    print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
-                                       if isinstance(v, (int, float, str))}))
-    return 0
-
-
-@cli.command("warmstart-chat",
-             short_help="build, warm-start and save the math example's chat model",
-             help="Build a small Qwen2-shaped chat model (BPE tokenizer, ChatML template), "
-                  "warm-start it on arithmetic word problems and save it (save_pretrained).")
-@_option("--out", required=True, type=click.Path(), help="output directory (save_pretrained)")
-@_option("--steps", type=int, default=None, help="supervised steps (default 300)")
-@_option("--difficulty", multiple=True, metavar="KEY=INT",
-         help="problem difficulty override, e.g. max_value=9 (repeatable)")
-@_option("--demo-error-rate", type=float, default=0.0,
-         help="fraction of demonstrations making the problem's plausible reasoning mistake")
-@_option("--seed", type=int, default=0, help="seed")
-@_option("--force", is_flag=True, help="rebuild even if --out holds a model")
-def warmstart_chat(out: str, steps: int | None, difficulty: tuple[str, ...],
-                   demo_error_rate: float, seed: int, force: bool) -> int:
-    from pathlib import Path
-
-    import torch
-
-    from laminar_common.launch.math_tasks import parse_math_difficulty
-
-    from .chat_warmstart import DEFAULT_CHAT_STEPS, warm_start_chat
-
-    out_dir = Path(out)
-    if (out_dir / "warm_start.json").is_file() and not force:
-        print(f"warm start: {out_dir} already holds a model "
-              f"({(out_dir / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
-        return 0
-    torch.set_num_threads(2)
-    try:
-        result = warm_start_chat(
-            out_dir, steps=steps if steps is not None else DEFAULT_CHAT_STEPS, seed=seed,
-            difficulty=parse_math_difficulty(list(difficulty)), demo_error_rate=demo_error_rate)
-    except ValueError as exc:
-        print(f"laminar-trainer warmstart-chat: {exc}", file=sys.stderr)
-        return 2
-    print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
-                                       if isinstance(v, (int, float, str))}))
-    return 0
 
 
 @cli.command(short_help="export a checkpoint's model as a Hugging Face directory",

@@ -1,27 +1,24 @@
-"""Batched decoding with a KV cache, and held-out accuracy on task records.
+"""Batched decoding with a KV cache.
 
 ``generate_completions`` decodes greedily or by sampling (recording per-token
-log-probs); ``evaluate_accuracy`` scores greedy completions of task records
-(``laminar_common.launch.tasks.score_completion``). Used by the trainer's
-held-out eval, the warm start and ``tools/rl_feasibility.py``.
+log-probs); ``decode_completion`` turns completion ids into the text a reward
+scores. Used by the trainer's held-out eval (:mod:`.evaluation`); the examples'
+warm starts and ``tools/rl_feasibility.py`` use them too. The stop and pad ids
+come from the caller or from the model's own config, never from a particular model.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from laminar_common.launch.tasks import score_completion
+from .logprobs import model_device
 
-from .demo_model import EOS_ID, PAD_ID
-from .logprobs import encode_prompts, model_device
-
-__all__ = ["Completions", "decode_completion", "evaluate_accuracy", "generate_completions"]
+__all__ = ["Completions", "decode_completion", "generate_completions"]
 
 
 # transformers 5 renamed the forward's ``past_key_values`` argument to ``cache``.
@@ -36,7 +33,7 @@ _CACHE_KWARG = (
 class Completions:
     """Output of ``generate_completions``, one entry per prompt row.
 
-    ``token_ids[i]`` ends with ``EOS_ID`` if the row finished, and
+    ``token_ids[i]`` ends with one of the stop ids if the row finished, and
     ``logprobs[i][j]`` is the sampling distribution's log-probability of
     ``token_ids[i][j]`` (at the temperature used; 0.0 everywhere for greedy).
     """
@@ -44,6 +41,26 @@ class Completions:
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     finished: list[bool]
+
+
+def _ids(value: int | Sequence[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(i) for i in value]
+
+
+def _stop_ids(model: PreTrainedModel, eos_id: int | Sequence[int] | None) -> list[int]:
+    """``eos_id`` as a list, or the model's EOS ids (generation config first) when None."""
+    if eos_id is not None:
+        ids = _ids(eos_id)
+    else:
+        generation = getattr(model, "generation_config", None)
+        ids = _ids(getattr(generation, "eos_token_id", None)) or _ids(
+            getattr(model.config, "eos_token_id", None))
+    if not ids:
+        raise ValueError("generate_completions needs eos_id: none given and the model's "
+                         "config names no eos_token_id")
+    return ids
 
 
 @torch.no_grad()
@@ -54,25 +71,32 @@ def generate_completions(
     *,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
-    eos_id: int | Sequence[int] = EOS_ID,
-    pad_id: int = PAD_ID,
+    eos_id: int | Sequence[int] | None = None,
+    pad_id: int | None = None,
 ) -> Completions:
     """Decode a batch with a KV cache: greedy when ``temperature == 0``, else sampled.
 
     A row stops at the first of the ``eos_id`` ids (one id or several: a chat
     model's ``<|im_end|>`` and ``<|endoftext|>``), which is kept in its tokens.
+    ``eos_id`` defaults to the model's own (``generation_config.eos_token_id``, else
+    ``config.eos_token_id``); ``pad_id`` (what left-pads prompts and fills finished
+    rows) to ``config.pad_token_id``, else the first stop id.
 
     Prompts are left-padded; position ids count real tokens only, so the
     result matches ``compute_token_logprobs`` on the right-padded batch.
 
     Raises:
-        ValueError: ``max_new_tokens < 1`` or ``temperature < 0``.
+        ValueError: ``max_new_tokens < 1``, ``temperature < 0``, or no ``eos_id``
+            given and none in the model's config.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    eos_ids = [eos_id] if isinstance(eos_id, int) else [int(i) for i in eos_id]
+    eos_ids = _stop_ids(model, eos_id)
+    if pad_id is None:
+        pad_id = getattr(model.config, "pad_token_id", None)
+        pad_id = eos_ids[0] if pad_id is None else int(pad_id)
     was_training = model.training
     model.eval()
     device = model_device(model)
@@ -141,37 +165,3 @@ def decode_completion(tokenizer: PreTrainedTokenizerFast, token_ids: Sequence[in
     if ids and ids[-1] in stops:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def _answer_budget(records: Sequence[Mapping[str, Any]]) -> int:
-    # Room for the longest answer, <eos>, and a few extra tokens so that a
-    # model which never stops is not cut off exactly at a right answer.
-    return max(len(r["answer"]) for r in records) + 4
-
-
-def evaluate_accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerFast,
-    records: Sequence[Mapping[str, Any]],
-    max_new_tokens: int | None = None,
-    *,
-    batch_size: int = 256,
-) -> float:
-    """Greedy-decode each record's prompt and return the mean ``score_completion``.
-
-    ``max_new_tokens`` defaults to the longest answer plus 4.
-
-    Raises:
-        ValueError: ``records`` is empty.
-    """
-    if not records:
-        raise ValueError("evaluate_accuracy needs at least one record")
-    budget = max_new_tokens or _answer_budget(records)
-    total = 0.0
-    for start in range(0, len(records), batch_size):
-        chunk = records[start : start + batch_size]
-        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in chunk])
-        completions = generate_completions(model, prompt_ids, budget)
-        for record, ids in zip(chunk, completions.token_ids):
-            total += score_completion(record, decode_completion(tokenizer, ids))
-    return total / len(records)

@@ -43,8 +43,10 @@ Built-ins (:data:`BUILTIN_REWARDS`, resolved lazily by :func:`load_reward_fn`):
 - ``gsm8k``: :func:`gsm8k_reward`, the number after ``####`` compared as a number.
 - ``exact``: :func:`exact_reward`, the stdlib exact-answer scorer
   (:func:`score_exact_answer`).
-- ``synthetic``: ``laminar_common.launch.tasks.synthetic_reward``, the demo's
-  sort / reverse / add tasks.
+- ``synthetic``: ``laminar_examples.tasks.synthetic_reward``, the demo's
+  sort / reverse / add / repeat tasks; it lives with the tasks in the laminar-examples
+  package (``pip install laminar-examples``), loading it without that package is a
+  :class:`ConfigError` saying so.
 
 The ground truth of ``math``, ``gsm8k`` and ``exact`` is ``metadata["answer"]``;
 when it contains ``####`` (a GSM8K answer column: worked solution, then
@@ -52,7 +54,8 @@ when it contains ``####`` (a GSM8K answer column: worked solution, then
 
 Part of laminar-common's ``data`` subpackage: stdlib only at import time (math-verify
 is imported on first use); imports the core only, never ``relay``, ``launch`` or
-``consume`` (the ``synthetic`` built-in is a string, resolved when loaded).
+``consume``, nor the examples (the ``synthetic`` built-in is a string, resolved when
+loaded).
 """
 
 from __future__ import annotations
@@ -92,11 +95,13 @@ BUILTIN_REWARDS: Mapping[str, str] = {
     "math": "laminar_common.data.rewards:math_reward",
     "gsm8k": "laminar_common.data.rewards:gsm8k_reward",
     "exact": "laminar_common.data.rewards:exact_reward",
-    "synthetic": "laminar_common.launch.tasks:synthetic_reward",
+    "synthetic": "laminar_examples.tasks:synthetic_reward",
 }
 """Built-in reward names and the ``module:function`` each stands for."""
 
 _MATH_EXTRA = "pip install 'laminar-common[math]'"
+_DISTRIBUTIONS = {"laminar_examples": "laminar-examples"}
+"""Packages a built-in lives in that laminar-common does not bring, by import name."""
 _GSM8K_MARK = "####"
 
 # -- loading -----------------------------------------------------------------------
@@ -108,8 +113,8 @@ def load_reward_fn(spec: str) -> RewardFn:
 
     Raises:
         ConfigError: malformed spec, module not importable, not callable, or a
-            built-in whose optional dependency is missing (the message names
-            the spec and what to install).
+            built-in whose optional dependency or package is missing (the message
+            names the spec and what to install: ``synthetic`` needs laminar-examples).
     """
     target = BUILTIN_REWARDS.get(spec, spec)
     module_name, sep, attr = target.partition(":")
@@ -121,6 +126,12 @@ def load_reward_fn(spec: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing in _DISTRIBUTIONS and module_name.partition(".")[0] == missing:
+            raise ConfigError(
+                f"reward {spec!r}: {module_name!r} is in the {_DISTRIBUTIONS[missing]} "
+                f"package, which is not installed here: pip install {_DISTRIBUTIONS[missing]}"
+            ) from exc
         raise ConfigError(f"reward {spec!r}: cannot import {module_name!r}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):

@@ -224,54 +224,6 @@ def replay(run_dir: str, step: int | None, trajectory: str | None, dtype: str) -
     return subprocess.call([sys.executable, "-m", module, run_dir, *args])
 
 
-def _math_prompts(n: int, split: str, seed: int, out: str, difficulty: tuple[str, ...]) -> int:
-    from pathlib import Path
-
-    from laminar_common.launch.math_tasks import parse_math_difficulty, write_math_prompts
-
-    if Path(out).is_file():
-        print(f"{out} exists; leaving it")
-        return 0
-    try:
-        written = write_math_prompts(out, n, split, seed, **parse_math_difficulty(list(difficulty)))
-    except (ValueError, ImportError) as exc:
-        print(f"laminar prompts: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {written} math records ({split}, verl parquet) to {out}")
-    return 0
-
-
-@cli.command(help="Write prompt records: synthetic tasks as JSONL, math as verl parquet.")
-@_option("--task", default="sort", help="sort, reverse, add, repeat or math (math: --out *.parquet)")
-@_option("--n", type=int, default=1000, help="number of records")
-@_option("--split", type=click.Choice(["train", "eval"]), default="train", help="split")
-@_option("--seed", type=int, default=0, help="seed")
-@_option("--out", required=True, type=click.Path(), help="output .jsonl path")
-@_option("--difficulty", multiple=True, metavar="KEY=INT",
-              help="task difficulty override, e.g. max_len=6 (repeatable)")
-def prompts(task: str, n: int, split: str, seed: int, out: str,
-            difficulty: tuple[str, ...]) -> int:
-    from pathlib import Path
-
-    if task == "math":
-        return _math_prompts(n, split, seed, out, difficulty)
-    from laminar_common.launch.tasks import make_task_records, parse_difficulty, write_jsonl
-
-    try:
-        records = make_task_records(task, n, seed, split=split,
-                                    **parse_difficulty(task, list(difficulty)))
-    except ValueError as exc:
-        print(f"laminar prompts: {exc}", file=sys.stderr)
-        return 2
-    if Path(out).is_file():
-        print(f"{out} exists; leaving it")
-        return 0
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    written = write_jsonl(out, records)
-    print(f"wrote {written} {task} records ({split}) to {out}")
-    return 0
-
-
 @cli.command(help="Create CURVE keys and TLS certificates for a job.")
 @_option("--out", required=True, type=click.Path(),
               help="output directory (auth.dir of every tier)")

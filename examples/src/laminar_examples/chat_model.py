@@ -19,7 +19,7 @@ is the code that loads a real one:
   as Qwen's does.
 
 The supervised warm start that trains this model lives in
-``laminar_trainer.chat_warmstart``.
+``laminar_examples.chat_warmstart``.
 
 Invariants: deterministic for fixed seeds and corpus on one machine and thread
 count; nothing here touches the network.

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from laminar_common.launch.tasks import SPLITS, split_of
+from .tasks import SPLITS, split_of
 
 __all__ = [
     "DATA_SOURCE",

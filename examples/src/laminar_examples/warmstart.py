@@ -1,4 +1,4 @@
-"""The supervised warm start of the demo's tiny policy (``laminar-trainer warmstart``).
+"""The supervised warm start of the demo's tiny policy (``laminar-examples warmstart``).
 
 ``warm_start`` runs a short supervised phase (teacher forcing on
 ``prompt + answer + <eos>``, loss on the answer and ``<eos>`` only) that leaves
@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from laminar_common.launch.tasks import make_task_records, plausible_mistake
 from laminar_common.progress import ProgressLines
+from laminar_trainer.logprobs import compute_token_logprobs, encode_prompts, pack_sequences
 
-from .decoding import evaluate_accuracy
+from .accuracy import evaluate_accuracy
 from .demo_model import DEFAULT_MODEL_SIZES, EOS_ID, build_tiny_model, build_tokenizer
-from .logprobs import compute_token_logprobs, encode_prompts, pack_sequences
+from .tasks import make_task_records, plausible_mistake
 
 __all__ = [
     "DEFAULT_WARM_START_STEPS",
@@ -197,7 +197,7 @@ def warm_start(
 
     Args:
         out_dir: directory to write (created if missing).
-        task: a ``laminar_common.launch.tasks.TASKS`` key.
+        task: a ``laminar_examples.tasks.TASKS`` key.
         steps: supervised steps, or the most of them with ``target_accuracy``
             (0 saves the random init).
         seed: seeds the model init, the training data and the eval data.
@@ -212,7 +212,7 @@ def warm_start(
         n_eval: number of held-out records to measure greedy accuracy on.
         demo_error_rate: fraction of the training demonstrations whose answer
             is replaced by the task's plausible mistake
-            (``laminar_common.launch.tasks.plausible_mistake``), drawn with a fixed
+            (``laminar_examples.tasks.plausible_mistake``), drawn with a fixed
             RNG. Above 0.5 the greedy policy mostly makes that mistake while
             sampling still finds the right answer, which is the situation RL
             with a verifiable reward corrects (the demo's setting).

@@ -1,7 +1,7 @@
-"""Supervised warm start of the math example's chat policy (``laminar-trainer warmstart-chat``).
+"""Supervised warm start of the math example's chat policy (``laminar-examples warmstart-chat``).
 
 ``warm_start_chat`` trains a BPE tokenizer on the train split's chat turns,
-builds the Qwen2-shaped model (``laminar_trainer.chat_model``), teacher-forces
+builds the Qwen2-shaped model (``laminar_examples.chat_model``), teacher-forces
 ``prompt + worked answer + <|im_end|>`` with the loss on the answer only, and
 saves the directory. Prompt ids come from
 ``laminar_common.data.chat.prompt_token_ids``, the function the rollout worker
@@ -33,9 +33,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from laminar_common.data.chat import prompt_token_ids, render_chat
-from laminar_common.launch.math_tasks import MathProblem, make_math_problems, math_messages
-from laminar_common.launch.tasks import score_exact_answer
+from laminar_common.data.rewards import score_exact_answer
 from laminar_common.progress import ProgressLines
+from laminar_trainer.decoding import generate_completions
+from laminar_trainer.logprobs import pack_sequences
 
 from .chat_model import (
     CHAT_MODEL_SIZES,
@@ -44,8 +45,7 @@ from .chat_model import (
     build_chat_tokenizer,
     save_chat_model,
 )
-from .decoding import generate_completions
-from .logprobs import pack_sequences
+from .math_tasks import MathProblem, make_math_problems, math_messages
 from .warmstart import supervised_update
 
 __all__ = [

@@ -4,7 +4,7 @@ This module owns everything needed to produce, offline and in code, a model
 directory that the rest of Laminar loads like any Hugging Face checkpoint:
 
 - ``build_tokenizer``: a character-level ``PreTrainedTokenizerFast`` over
-  ``laminar_common.launch.tasks.TASK_ALPHABET`` plus ``<pad>``, ``<bos>``, ``<eos>``
+  ``laminar_examples.tasks.TASK_ALPHABET`` plus ``<pad>``, ``<bos>``, ``<eos>``
   and ``<unk>``. Encoding a text prepends ``<bos>``; there are no merges, so
   ``encode(prompt + answer) == encode(prompt) + chars(answer)``.
 - ``build_tiny_model``: a randomly initialised (seeded) ``LlamaForCausalLM``.
@@ -12,11 +12,12 @@ directory that the rest of Laminar loads like any Hugging Face checkpoint:
   tokenizer class for ``model_type: qwen2`` and rebuilds a byte-level Qwen2
   tokenizer, which would re-tokenize our character vocabulary differently.
 
-Decoding for evaluation lives in ``laminar_trainer.decoding``; the generic
-log-prob code the loss needs in ``laminar_trainer.logprobs``.
+Decoding lives in ``laminar_trainer.decoding`` (held-out accuracy on task records
+in ``laminar_examples.accuracy``); the generic log-prob code the loss needs in
+``laminar_trainer.logprobs``.
 
 The supervised warm start that makes a saved model directory from these
-lives in ``laminar_trainer.warmstart``. The default model size is the one the
+lives in ``laminar_examples.warmstart``. The default model size is the one the
 feasibility experiment picked for the demo run; see ``tools/rl_feasibility.py``.
 
 Invariants: everything is deterministic for fixed seeds on one machine and
@@ -31,7 +32,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from laminar_common.launch.tasks import TASK_ALPHABET
+from .tasks import TASK_ALPHABET
 
 __all__ = ["BOS_ID", "DEFAULT_MODEL_SIZES", "EOS_ID", "PAD_ID", "SPECIAL_TOKENS", "UNK_ID",
            "build_tiny_model", "build_tokenizer"]

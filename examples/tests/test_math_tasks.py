@@ -1,10 +1,10 @@
-"""Tests for laminar_common.launch.math_tasks: problems, worked answers, verl parquet."""
+"""Tests for laminar_examples.math_tasks: problems, worked answers, verl parquet."""
 
 import re
 
 import pytest
 
-from laminar_common.launch.math_tasks import (
+from laminar_examples.math_tasks import (
     DATA_SOURCE,
     MATH_INSTRUCTION,
     make_math_problems,
@@ -12,7 +12,7 @@ from laminar_common.launch.math_tasks import (
     parse_math_difficulty,
     write_math_prompts,
 )
-from laminar_common.launch.tasks import split_of
+from laminar_examples.tasks import split_of
 
 pq = pytest.importorskip("pyarrow.parquet")
 
@@ -104,7 +104,7 @@ def test_difficulty_knob_bounds_the_numbers_and_steps():
 
 
 def test_rows_and_paths_are_checked(tmp_path, monkeypatch):
-    from laminar_common.launch import math_tasks
+    from laminar_examples import math_tasks
 
     assert math_rows([], "eval") == []
     with pytest.raises(ValueError, match="parquet"):

@@ -1,4 +1,4 @@
-"""Tests for laminar_trainer.chat_model and chat_warmstart: the math example's chat policy."""
+"""Tests for laminar_examples.chat_model and chat_warmstart: the math example's chat policy."""
 
 import json
 
@@ -7,8 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from laminar_common.data.chat import eos_token_ids, prompt_token_ids, render_chat
-from laminar_common.launch.math_tasks import make_math_problems, math_messages
-from laminar_trainer.chat_model import (
+from laminar_examples.chat_model import (
     CHATML_TEMPLATE,
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -17,12 +16,13 @@ from laminar_trainer.chat_model import (
     build_chat_tokenizer,
     save_chat_model,
 )
-from laminar_trainer.chat_warmstart import (
+from laminar_examples.chat_warmstart import (
     chat_examples,
     math_accuracy,
     train_chat_supervised,
     warm_start_chat,
 )
+from laminar_examples.math_tasks import make_math_problems, math_messages
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
         "intermediate_size": 64, "max_position_embeddings": 128}

@@ -1,4 +1,5 @@
-"""Tests for laminar_trainer.demo_model: tokenizer, tiny model, decoding, warm start."""
+"""Tests for laminar_examples.demo_model, warmstart and accuracy: tokenizer, tiny model,
+decoding, warm start."""
 
 import json
 
@@ -6,14 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from laminar_common.launch.tasks import (
-    TASK_ALPHABET,
-    make_task_records,
-    plausible_mistake,
-    score_completion,
-)
-from laminar_trainer.decoding import decode_completion, evaluate_accuracy, generate_completions
-from laminar_trainer.demo_model import (
+from laminar_examples.accuracy import evaluate_accuracy
+from laminar_examples.demo_model import (
     BOS_ID,
     DEFAULT_MODEL_SIZES,
     EOS_ID,
@@ -22,8 +17,17 @@ from laminar_trainer.demo_model import (
     build_tiny_model,
     build_tokenizer,
 )
+from laminar_examples.tasks import (
+    TASK_ALPHABET,
+    make_task_records,
+    plausible_mistake,
+    score_completion,
+)
+from laminar_examples.warmstart import _with_mistakes, train_supervised, warm_start
+from laminar_trainer.decoding import decode_completion, generate_completions
 from laminar_trainer.logprobs import compute_token_logprobs, encode_prompts, pack_sequences
-from laminar_trainer.warmstart import _with_mistakes, train_supervised, warm_start
+
+DEMO_IDS = {"eos_id": EOS_ID, "pad_id": PAD_ID}
 
 SMALL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 
@@ -100,8 +104,8 @@ def test_sampled_logprobs_match_the_training_forward(tokenizer):
     model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
     prompts = encode_prompts(tokenizer, ["sort 12=", "sort 98765=", "add 1+2="])
     sampled = generate_completions(
-        model, prompts, 6, temperature=1.0, generator=torch.Generator().manual_seed(0)
-    )
+        model, prompts, 6, temperature=1.0, generator=torch.Generator().manual_seed(0),
+        **DEMO_IDS)
     input_ids, attention, mask = pack_sequences(prompts, sampled.token_ids)
     logprobs = compute_token_logprobs(model, input_ids, attention)
     for row, expected in enumerate(sampled.logprobs):
@@ -111,15 +115,32 @@ def test_sampled_logprobs_match_the_training_forward(tokenizer):
 def test_greedy_decoding_ignores_left_padding_and_stops_at_eos(tokenizer):
     model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
     prompts = encode_prompts(tokenizer, ["sort 12=", "sort 9876543210="])
-    alone = generate_completions(model, prompts[:1], 5)
-    batched = generate_completions(model, prompts, 5)
+    alone = generate_completions(model, prompts[:1], 5, **DEMO_IDS)
+    batched = generate_completions(model, prompts, 5, **DEMO_IDS)
     assert batched.token_ids[0] == alone.token_ids[0]
     for ids, finished in zip(batched.token_ids, batched.finished):
         assert finished == (EOS_ID in ids)
         assert EOS_ID not in ids[:-1]
         assert len(ids) <= 5
     with pytest.raises(ValueError, match="max_new_tokens"):
-        generate_completions(model, prompts, 0)
+        generate_completions(model, prompts, 0, **DEMO_IDS)
+
+
+def test_decoding_takes_the_stop_and_pad_ids_from_the_model_when_not_given(tokenizer):
+    """The trainer's decoding knows no model: without eos_id / pad_id it reads the model's
+    config, which for the demo's model names EOS_ID and PAD_ID."""
+    model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
+    prompts = encode_prompts(tokenizer, ["sort 12=", "sort 9876543210=", "add 1+2="])
+    for temperature in (0.0, 1.0):
+        runs = [generate_completions(model, prompts, 8, temperature=temperature,
+                                     generator=torch.Generator().manual_seed(1), **ids)
+                for ids in ({}, DEMO_IDS)]
+        assert runs[0] == runs[1]
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    with pytest.raises(ValueError, match="needs eos_id"):
+        generate_completions(model, prompts, 2)
+    assert generate_completions(model, prompts, 2, eos_id=EOS_ID).token_ids is not None
 
 
 def test_supervised_training_fits_a_small_set(tokenizer):
@@ -135,7 +156,7 @@ def test_evaluate_accuracy_matches_manual_scoring(tokenizer):
     model = build_tiny_model(len(tokenizer), seed=0, **SMALL)
     records = make_task_records("sort", 5, seed=0)
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in records])
-    completions = generate_completions(model, prompts, 12)
+    completions = generate_completions(model, prompts, 12, **DEMO_IDS)
     expected = sum(
         score_completion(r, decode_completion(tokenizer, ids))
         for r, ids in zip(records, completions.token_ids)

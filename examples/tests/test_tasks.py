@@ -1,4 +1,4 @@
-"""Tests for laminar_common.launch.tasks: generation, splits, scoring, JSONL."""
+"""Tests for laminar_examples.tasks: generation, splits, scoring, JSONL."""
 
 import json
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from laminar_common.jsonl import read_jsonl
-from laminar_common.launch import tasks
-from laminar_common.launch.tasks import (
+from laminar_examples import tasks
+from laminar_examples.tasks import (
     ANSWER_END,
     TASK_ALPHABET,
     TASKS,
@@ -159,7 +159,7 @@ def test_jsonl_round_trip(tmp_path):
 
 def test_tasks_module_imports_no_heavy_dependency():
     code = (
-        "import sys, laminar_common.launch.tasks as t; t.make_task_records('sort', 3, 0); "
+        "import sys, laminar_examples.tasks as t; t.make_task_records('sort', 3, 0); "
         "bad = {'torch', 'transformers', 'tokenizers', 'numpy'} & set(sys.modules); "
         "print(sorted(bad)); sys.exit(1 if bad else 0)"
     )
@@ -201,12 +201,12 @@ def test_parse_difficulty_names_the_bad_item():
 
 def test_prompts_cli_applies_difficulty_and_refuses_bad_keys(tmp_path):
     out = tmp_path / "p.jsonl"
-    ok = subprocess.run([sys.executable, "-m", "laminar_common.launch.cli", "prompts", "--n", "50",
+    ok = subprocess.run([sys.executable, "-m", "laminar_examples.cli", "prompts", "--n", "50",
                          "--difficulty", "max_len=3", "--out", str(out)],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert max(len(r["answer"]) for r in read_jsonl(out)) == 3
-    bad = subprocess.run([sys.executable, "-m", "laminar_common.launch.cli", "prompts", "--n", "5",
+    bad = subprocess.run([sys.executable, "-m", "laminar_examples.cli", "prompts", "--n", "5",
                           "--difficulty", "maxlen=3", "--out", str(tmp_path / "q.jsonl")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'maxlen=3'" in bad.stderr
@@ -279,3 +279,15 @@ def test_repeat_refuses_bad_difficulty():
         make_task_records("repeat", 1, 0, max_unit=4, max_len=3)
     with pytest.raises(ValueError, match="median_count must be >= 1"):
         make_task_records("repeat", 1, 0, median_count=0)
+
+
+def test_the_synthetic_builtin_reward_is_this_modules():
+    from laminar_common.data.rewards import load_reward_fn, score
+    from laminar_examples.tasks import synthetic_reward
+
+    assert load_reward_fn("synthetic") is synthetic_reward
+    fn = load_reward_fn("synthetic")
+    assert fn("sort 321=", "123", {"task": "sort", "answer": "123"}) == 1.0
+    assert fn("sort 321=", "132", {"task": "sort", "answer": "123"}) == 0.0
+    reward, err = score(synthetic_reward, "p", "1", {"task": "nope", "answer": "1"})
+    assert reward == 0.0 and "unknown task" in err

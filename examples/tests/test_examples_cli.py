@@ -1,0 +1,160 @@
+"""``laminar-examples``: its commands and options, env vars, exit codes, completion, a
+slim ``--help`` (the prompts command from ``laminar``, the warm starts from
+``laminar-trainer``, as they were there)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from laminar_common.jsonl import read_jsonl
+from laminar_common.testing import clear_laminar_env, option_envvars
+from laminar_examples.cli import cli, main
+
+
+@pytest.fixture(autouse=True)
+def _no_laminar_env(monkeypatch):
+    clear_laminar_env(monkeypatch)
+
+
+def _option_envvars(command_name: str) -> dict[str, str]:
+    return option_envvars(cli, "laminar-examples", "LAMINAR_EXAMPLES", command_name)
+
+
+def test_the_commands_and_their_options_are_those_of_before():
+    assert sorted(cli.commands) == ["prompts", "warmstart", "warmstart-chat"]
+    assert set(_option_envvars("prompts")) == {
+        "--task", "--n", "--split", "--seed", "--out", "--difficulty"}
+    assert set(_option_envvars("warmstart-chat")) == {
+        "--out", "--steps", "--difficulty", "--demo-error-rate", "--seed", "--force"}
+    assert set(_option_envvars("warmstart")) == {
+        "--out", "--task", "--steps", "--difficulty", "--demo-error-rate", "--target-accuracy",
+        "--seed", "--force"}
+    assert _option_envvars("prompts")["--n"] == "LAMINAR_EXAMPLES_PROMPTS_N"
+    defaults = {p.name: p.default for p in cli.commands["warmstart"].params}
+    assert defaults["task"] == "sort" and defaults["seed"] == 0
+    assert defaults["demo_error_rate"] == 0.0 and defaults["steps"] is None
+    defaults = {p.name: p.default for p in cli.commands["prompts"].params}
+    assert (defaults["task"], defaults["n"], defaults["split"], defaults["seed"]) == (
+        "sort", 1000, "train", 0)
+
+
+@pytest.mark.parametrize("command", sorted(cli.commands))
+def test_help_of_every_command_lists_its_options_and_env_vars(command, capsys):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Usage: laminar-examples {command} [OPTIONS]")
+    for param in cli.commands[command].params:
+        if isinstance(param, click.Option):
+            for opt in param.opts:
+                assert opt in out, (opt, out)
+    flat = out.replace("\n", "").replace(" ", "")
+    for envvar in _option_envvars(command).values():
+        assert envvar in flat, (envvar, out)
+
+
+def test_options_come_from_their_env_vars(monkeypatch, tmp_path):
+    out = tmp_path / "p.jsonl"
+    monkeypatch.setenv("LAMINAR_EXAMPLES_PROMPTS_N", "7")
+    monkeypatch.setenv("LAMINAR_EXAMPLES_PROMPTS_TASK", "add")
+    monkeypatch.setenv("LAMINAR_EXAMPLES_PROMPTS_OUT", str(out))
+    assert main(["prompts", "--seed", "3"]) == 0
+    records = read_jsonl(out)
+    assert len(records) == 7 and {r["task"] for r in records} == {"add"}
+
+
+def test_prompts_writes_once_and_leaves_an_existing_file(tmp_path, capsys):
+    out = tmp_path / "d" / "p.jsonl"
+    assert main(["prompts", "--task", "sort", "--n", "5", "--split", "eval", "--out",
+                 str(out)]) == 0
+    assert capsys.readouterr().out == f"wrote 5 sort records (eval) to {out}\n"
+    first = out.read_text()
+    assert main(["prompts", "--task", "sort", "--n", "9", "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"{out} exists; leaving it\n"
+    assert out.read_text() == first
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["prompts", "--out", "x.jsonl", "--split", "test"]) == 2
+    assert "Invalid value for '--split'" in capsys.readouterr().err
+    assert main(["prompts", "--task", "mul", "--out", "x.jsonl"]) == 2
+    assert capsys.readouterr().err.startswith("laminar-examples prompts: unknown task 'mul'")
+    assert main(["warmstart"]) == 2  # --out is required
+    assert "Missing option '--out'" in capsys.readouterr().err
+    assert main(["warmstart", "--out", "x", "--steps", "many"]) == 2
+    assert main(["warmstart-chat", "--out", "x", "--seed", "s"]) == 2
+    assert main(["no-such-command"]) == 2
+    assert main([]) == 2
+
+
+def test_a_bad_difficulty_of_a_warm_start_exits_2_naming_it(tmp_path, capsys, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # keep this process's
+    assert main(["warmstart", "--out", str(tmp_path / "m"), "--difficulty", "maxlen=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("laminar-examples warmstart: difficulty 'maxlen=3'")
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_warm_start_without_the_train_extra_says_what_to_install(monkeypatch, tmp_path,
+                                                                   capsys):
+    monkeypatch.setitem(sys.modules, "laminar_trainer", None)  # as if not installed
+    assert main(["warmstart", "--out", str(tmp_path / "m")]) == 2
+    assert "pip install 'laminar-examples[train]'" in capsys.readouterr().err
+    assert main(["warmstart-chat", "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("laminar-examples warmstart-chat: ")
+    assert not (tmp_path / "m").exists()
+
+
+def test_completion_script_and_completions(monkeypatch):
+    runner = CliRunner()
+    script = runner.invoke(cli, [], prog_name="laminar-examples",
+                           env={"_LAMINAR_EXAMPLES_COMPLETE": "bash_source"})
+    assert script.exit_code == 0
+    assert "complete -o nosort -F _laminar_examples_completion laminar-examples" in script.output
+    words = runner.invoke(cli, [], prog_name="laminar-examples",
+                          env={"_LAMINAR_EXAMPLES_COMPLETE": "bash_complete",
+                               "COMP_WORDS": "laminar-examples prompts --split ",
+                               "COMP_CWORD": "3"})
+    assert words.output.split() == ["plain,train", "plain,eval"]
+    words = runner.invoke(cli, [], prog_name="laminar-examples",
+                          env={"_LAMINAR_EXAMPLES_COMPLETE": "bash_complete",
+                               "COMP_WORDS": "laminar-examples warmstart --t",
+                               "COMP_CWORD": "2"})
+    assert words.output.split() == ["plain,--task", "plain,--target-accuracy"]
+    monkeypatch.setenv("_LAMINAR_EXAMPLES_COMPLETE", "bash_source")
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 0
+
+
+def test_help_and_prompts_import_nothing_heavy(tmp_path):
+    """--help of every command and writing task prompts import no torch (the warm starts
+    import it when they run)."""
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from laminar_examples.cli import cli, main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]\n"
+        f"    codes.append(main(['prompts', '--n', '3', '--out', {str(tmp_path / 'p.jsonl')!r}]))\n"
+        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'tokenizers', 'vllm'))]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    codes, heavy = json.loads(out.stdout)
+    assert codes == [0] * (len(cli.commands) + 2) and heavy == []
+
+
+def test_the_module_runs_as_a_script(tmp_path):
+    out = tmp_path / "p.jsonl"
+    done = subprocess.run([sys.executable, "-m", "laminar_examples.cli", "prompts", "--n", "4",
+                           "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert len(read_jsonl(out)) == 4
