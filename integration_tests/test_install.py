@@ -5,7 +5,8 @@ The wheelhouse is built once per module by tools/build_wheels.sh (the tool a
 user runs). Every tier then gets its own fresh venv (no system site-packages)
 and a plain ``pip install --find-links <wheelhouse> <dist>``: its laminar-common
 must come from the wheelhouse, every third-party dependency from the index.
-laminar-common and laminar-relay must install without torch; laminar-rollout
+laminar-common, laminar-relay and laminar-examples (the example jobs' package, whose
+warm starts come with its ``train`` extra) must install without torch; laminar-rollout
 and laminar-trainer install their full dependency set, torch pinned to the
 release the project tests (a constraints file), so ``pip check`` covers them
 too. ``--no-compile`` halves the torch tiers' install time (bytecode for torch
@@ -34,6 +35,8 @@ pytestmark = pytest.mark.xdist_group("install")
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTS = ("laminar-common", "laminar-relay", "laminar-rollout", "laminar-trainer")
+EXAMPLES = "laminar-examples"
+"""The examples' package: built beside the libraries, depends on laminar-common only."""
 TORCH_PIN = "torch==2.13.0"
 INSTALL_TIMEOUT_S = 600
 
@@ -81,7 +84,7 @@ def built_versions(wheelhouse) -> dict[str, str]:
     """Distribution name -> version, one entry per wheel the build produced."""
     dists = [_wheel_dist(w) for w in sorted(wheelhouse.glob("*.whl"))]
     versions = {d.metadata["Name"]: d.version for d in dists}
-    assert sorted(versions) == sorted(DISTS), f"wheelhouse holds {sorted(versions)}"
+    assert sorted(versions) == sorted((*DISTS, EXAMPLES)), f"wheelhouse holds {sorted(versions)}"
     return versions
 
 
@@ -130,8 +133,9 @@ def test_inter_package_ranges_hold(built_versions, wheelhouse):
                 f"{dist.metadata['Name']} requires {line!r}, but {req.name} is {built}")
             checked.append((dist.metadata["Name"], req.name))
     # each tier's own dependency on the shared core was among those checked
-    for tier in DISTS[1:]:
+    for tier in (*DISTS[1:], EXAMPLES):
         assert (tier, "laminar-common") in checked
+    assert (EXAMPLES, "laminar-trainer") in checked  # its train extra
 
 
 def test_common_installs_alone(wheelhouse, built_versions, tmp_path):
@@ -149,6 +153,18 @@ def test_relay_installs_alone_without_torch(wheelhouse, built_versions, tmp_path
     bin_dir = _install_alone(wheelhouse, tmp_path, "laminar-relay")
     _check_installed(bin_dir, built_versions, "laminar-relay")
     _assert_no_torch(bin_dir)
+
+
+def test_examples_install_alone_without_torch_and_write_prompts(wheelhouse, built_versions,
+                                                                tmp_path):
+    bin_dir = _install_alone(wheelhouse, tmp_path, EXAMPLES)
+    _check_installed(bin_dir, built_versions, "laminar-examples")
+    _assert_no_torch(bin_dir)
+    out = tmp_path / "p.jsonl"
+    assert "wrote 3 sort records" in _ok([bin_dir / "laminar-examples", "prompts", "--n", "3",
+                                          "--out", out])
+    warm = _run([bin_dir / "laminar-examples", "warmstart", "--out", tmp_path / "m"])
+    assert warm.returncode == 2 and "pip install 'laminar-examples[train]'" in warm.stderr
 
 
 @pytest.mark.parametrize("dist", ["laminar-rollout", "laminar-trainer"])

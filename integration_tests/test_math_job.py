@@ -64,9 +64,9 @@ def test_the_worker_and_the_trainer_build_the_same_prompt_ids(tmp_path):
 
     from laminar_common.data.chat import prompt_token_ids
     from laminar_common.data.records import DataConfig, load_records
-    from laminar_common.launch.math_tasks import write_math_prompts
+    from laminar_examples.chat_model import build_chat_model, build_chat_tokenizer, save_chat_model
+    from laminar_examples.math_tasks import write_math_prompts
     from laminar_rollout.tokenizer import HfTokenizer
-    from laminar_trainer.chat_model import build_chat_model, build_chat_tokenizer, save_chat_model
     from laminar_trainer.config import EvalConfig
     from laminar_trainer.evaluation import load_eval_records
 

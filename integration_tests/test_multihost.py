@@ -121,7 +121,7 @@ def _job(run_dir: Path, auth: dict | None, net) -> dict:
                      simulate={"step_s": 0.3, "weight_bytes": 1 << 20}, batch_groups=GROUPS,
                      total_steps=STEPS, run_dir="{run_dir}/trainer",
                      publish_delta_full_every=4)}
-    setup = [["laminar", "prompts", "--task", "sort", "--n", "500", "--split", "train",
+    setup = [["laminar-examples", "prompts", "--task", "sort", "--n", "500", "--split", "train",
               "--out", "{run_dir}/train.jsonl"]]
     if auth and "dir" in auth:
         setup.append(["laminar", "keys", "--split", "--out", auth["dir"],
@@ -295,7 +295,7 @@ def _ray_job(run_dir: Path, steps: int) -> dict:
     auth = {t: {"dir": f"{keys}/{t}"} for t in ("relay", "rollout", "trainer")}
     return {
         "job": "raynodes", "run_dir": str(run_dir), "etcd": {"embedded": True, "ttl_s": 3},
-        "setup": [["laminar", "prompts", "--task", "sort", "--n", "2000", "--split", "train",
+        "setup": [["laminar-examples", "prompts", "--task", "sort", "--n", "2000", "--split", "train",
                    "--out", "{run_dir}/train.jsonl"],
                   ["laminar", "keys", "--split", "--out", keys,
                    *[a for ip in HOSTS.values() for a in ("--host", ip)]]],

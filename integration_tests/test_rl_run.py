@@ -74,11 +74,11 @@ def warm(tmp_path_factory):
     """A briefly warm-started model, train prompts and held-out prompts, shared by the
     stack tests below."""
     out = tmp_path_factory.mktemp("warm")
-    subprocess.run([sys.executable, "-m", "laminar_trainer.cli", "warmstart", "--out",
+    subprocess.run([sys.executable, "-m", "laminar_examples.cli", "warmstart", "--out",
                     str(out / "model"), "--steps", "40", "--demo-error-rate", "0.6"],
                    check=True, capture_output=True, timeout=600)
     for split, n in (("train", 2000), ("eval", 16)):
-        subprocess.run([sys.executable, "-m", "laminar_common.launch.cli", "prompts", "--n", str(n),
+        subprocess.run([sys.executable, "-m", "laminar_examples.cli", "prompts", "--n", str(n),
                         "--split", split, "--seed", "1", "--out", str(out / f"{split}.jsonl")],
                        check=True, capture_output=True, timeout=60)
     return out

@@ -37,7 +37,7 @@ from pathlib import Path
 from laminar_common.launch.jobfile import JobFile
 from laminar_common.launch.local import LocalLauncher
 from laminar_common.launch.report import busy_in_window, write_timeline
-from laminar_common.launch.tasks import make_task_records, write_jsonl
+from laminar_examples.tasks import make_task_records, write_jsonl
 
 MODES = ("sync", "one-step", "laminar")
 

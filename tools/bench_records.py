@@ -1,6 +1,6 @@
 """What step records cost: bytes per token, and a real training step with and without.
 
-Builds the demo's model shape (random init, ``laminar_trainer.demo_model``), makes a
+Builds the demo's model shape (random init, ``laminar_examples.demo_model``), makes a
 batch of random trajectories of the demo job's shape (or ``--groups``, ``--group-size``,
 ``--prompt-tokens``, ``--response-tokens``), and times ``--steps`` pairs of real GRPO
 steps (``train_step``) on the same batch, one writing the step's record
@@ -24,9 +24,9 @@ import torch
 
 from laminar_common.codec import SamplingSpec, Trajectory, trajectory_seed
 from laminar_common.data.provenance import StepRecordWriter
+from laminar_examples.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.buffer import Group
 from laminar_trainer.config import TrainerConfig
-from laminar_trainer.demo_model import build_tiny_model, build_tokenizer
 from laminar_trainer.step import make_optimizer, train_step
 
 

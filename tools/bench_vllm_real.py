@@ -86,7 +86,7 @@ def build_model(out: Path, layers: int) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from laminar_trainer.demo_model import BOS_ID, EOS_ID, PAD_ID
+    from laminar_examples.demo_model import BOS_ID, EOS_ID, PAD_ID
 
     config = Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": layers},
                          max_position_embeddings=256, bos_token_id=BOS_ID,
@@ -106,7 +106,7 @@ def word_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    from laminar_trainer.demo_model import SPECIAL_TOKENS, TASK_ALPHABET
+    from laminar_examples.demo_model import SPECIAL_TOKENS, TASK_ALPHABET
 
     words = [*SPECIAL_TOKENS, *TASK_ALPHABET]
     words += [f"<w{i}>" for i in range(len(words), vocab_size)]
@@ -126,7 +126,7 @@ def job_file(work: Path, args: argparse.Namespace) -> dict:
     return {
         "job": "real-size", "run_dir": str(work / "run"),
         "etcd": {"embedded": True, "ttl_s": 30},
-        "setup": [["laminar", "prompts", "--task", "sort", "--n", "400", "--split", "train",
+        "setup": [["laminar-examples", "prompts", "--task", "sort", "--n", "400", "--split", "train",
                    "--seed", "1", "--out", "{run_dir}/train.jsonl"]],
         "tiers": {
             "relay": {"command": ["laminar-relay", "serve"],

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the wheel of each Laminar package (and its sdist, where `build` is
 # installed) into one wheelhouse, from which each tier installs alone, its
-# laminar-common coming from the same folder:
+# laminar-common coming from the same folder (the four libraries under packages/
+# and laminar-examples, the example jobs' package, from examples/):
 #
 #   pip install --find-links wheelhouse laminar-relay
 #
@@ -15,14 +16,16 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PACKAGES=(laminar-common laminar-relay laminar-rollout laminar-trainer)
+PACKAGES=(laminar-common laminar-relay laminar-rollout laminar-trainer laminar-examples)
+# where each package's pyproject.toml is, relative to the repository root
+src_dir() { [[ "$1" == laminar-examples ]] && echo examples || echo "packages/$1"; }
 PY="${PYTHON:-python3}"
 WHEELS_ONLY=0
 OUT=""
 
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --wheels-only) WHEELS_ONLY=1 ;;
     -*) echo "build_wheels.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
     *)
@@ -43,7 +46,7 @@ fi
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 for pkg in "${PACKAGES[@]}"; do
-  if ! build_one "$ROOT/packages/$pkg" >"$log" 2>&1; then
+  if ! build_one "$ROOT/$(src_dir "$pkg")" >"$log" 2>&1; then
     cat "$log" >&2
     echo "build_wheels.sh: building $pkg failed (output above)" >&2
     exit 1

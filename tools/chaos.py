@@ -54,9 +54,9 @@ from laminar_common.etcd import EtcdCoordinator
 from laminar_common.launch.local_etcd import LocalEtcd
 from laminar_common.launch.processes import ChildProcess
 from laminar_common.launch.readiness import wait_ready
-from laminar_common.launch.tasks import make_task_records, write_jsonl
 from laminar_common.membership import MemberRecord
 from laminar_common.testing.hosts import EmulatedHosts, start_etcd, unavailable
+from laminar_examples.tasks import make_task_records, write_jsonl
 
 FAULTS = ("worker-kill", "worker-stop", "relay-kill", "relay-stop", "manager-kill",
           "manager-stop", "trainer-kill", "trainer-stop", "trainer-term", "etcd-pause")

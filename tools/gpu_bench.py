@@ -114,7 +114,7 @@ def build_model_dir(shape: str, dtype, where: Path) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from laminar_trainer.demo_model import build_tokenizer
+    from laminar_examples.demo_model import build_tokenizer
 
     torch.manual_seed(0)
     config = Qwen2Config(**SHAPES[shape], initializer_range=0.02)

@@ -59,6 +59,7 @@ if [[ $CPU == 0 && -d "$WHEELS" ]] && compgen -G "$WHEELS/*.whl" >/dev/null; the
   # (the wheels bring the dependencies and the command-line entry points).
   src="$ROOT/packages/laminar-common/src:$ROOT/packages/laminar-relay/src"
   src="$src:$ROOT/packages/laminar-rollout/src:$ROOT/packages/laminar-trainer/src"
+  src="$src:$ROOT/examples/src"  # laminar-examples: the trainer tests' tiny model
   export PYTHONPATH="$src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   export PATH="/tmp/site/bin:$PATH"
 fi
@@ -67,7 +68,7 @@ if [[ $CPU == 0 && -x "$WHEELS/bin/etcd" ]]; then
 fi
 command -v etcd >/dev/null || { echo "gpu_check: no etcd on PATH"; status=1; }
 "$PY" - <<'EOF' || { echo "gpu_check: Laminar does not import"; exit 1; }
-import laminar_common, laminar_relay, laminar_rollout, laminar_trainer, torch
+import laminar_common, laminar_relay, laminar_rollout, laminar_trainer, laminar_examples, torch
 print("gpu_check: laminar packages import; torch", torch.__version__,
       "cuda", torch.cuda.is_available())
 EOF

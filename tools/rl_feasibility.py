@@ -1,6 +1,6 @@
 """Feasibility check for the demo RL run: does GRPO lift the warm-started tiny model?
 
-In one process and on CPU: warm-start the tiny model (``laminar_trainer.demo_model``),
+In one process and on CPU: warm-start the tiny model (``laminar_examples.demo_model``),
 measure greedy held-out accuracy, then run a plain synchronous GRPO loop
 (sample ``group_size`` completions per prompt at temperature 1 with a KV
 cache, record behaviour log-probs, score them, group-normalise advantages,
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--task", default="sort", help="laminar_common.launch.tasks.TASKS key")
+    parser.add_argument("--task", default="sort", help="laminar_examples.tasks.TASKS key")
     parser.add_argument("--min-len", type=int, default=None, help="sort/reverse: shortest list")
     parser.add_argument("--max-len", type=int, default=None, help="sort/reverse: longest list")
     parser.add_argument("--max-digit", type=int, default=None, help="sort/reverse: largest digit")
@@ -89,11 +89,13 @@ def run(args: argparse.Namespace) -> dict:
     # Imported here so that --help is instant.
     import torch
 
-    from laminar_common.launch.tasks import TASKS, make_task_records, score_completion
-    from laminar_trainer.decoding import decode_completion, evaluate_accuracy, generate_completions
+    from laminar_examples.accuracy import evaluate_accuracy
+    from laminar_examples.demo_model import EOS_ID, PAD_ID
+    from laminar_examples.tasks import TASKS, make_task_records, score_completion
+    from laminar_examples.warmstart import DEFAULT_WARM_START_STEPS, warm_start
+    from laminar_trainer.decoding import decode_completion, generate_completions
     from laminar_trainer.logprobs import compute_token_logprobs, encode_prompts, pack_sequences
     from laminar_trainer.loss import compute_grpo_advantages, compute_policy_loss
-    from laminar_trainer.warmstart import DEFAULT_WARM_START_STEPS, warm_start
 
     torch.set_num_threads(args.threads)
     difficulty = {
@@ -158,7 +160,8 @@ def run(args: argparse.Namespace) -> dict:
         prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows])
         model.eval()
         samples = generate_completions(
-            model, prompt_ids, max_new_tokens, temperature=args.temperature, generator=sampler
+            model, prompt_ids, max_new_tokens, temperature=args.temperature, generator=sampler,
+            eos_id=EOS_ID, pad_id=PAD_ID,
         )
         rewards = torch.tensor(
             [

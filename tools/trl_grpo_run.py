@@ -2,8 +2,9 @@
 
 Runs in TRL's own environment (tools/trl_env.sh), never in Laminar's: it needs torch,
 transformers, trl, datasets, pydantic and pyyaml, and imports from Laminar only
-laminar-common's ``data`` subpackage (records, prompt tokenization, EOS ids, rewards),
-from the source tree beside this file. bench_vs_trl.py writes the spec (``--spec``):
+laminar-common's ``data`` subpackage (records, prompt tokenization, EOS ids, rewards)
+and, for the demo's ``synthetic`` reward, laminar-examples' tasks, from the source tree
+beside this file. bench_vs_trl.py writes the spec (``--spec``):
 every setting already resolved from the job file, so nothing here reads a job file or
 picks a default of its own. The result (``--out``) holds:
 
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 
 _COMMON_SRC = Path(__file__).resolve().parents[1] / "packages" / "laminar-common" / "src"
+# the ``synthetic`` reward's home (laminar_examples.tasks: stdlib and laminar-common only)
+_EXAMPLES_SRC = Path(__file__).resolve().parents[1] / "examples" / "src"
 # Laminar-side spellings of the built-in rewards, which import a tier (laminar_rollout).
 _REWARD_ALIASES = {"laminar_rollout.rewards:synthetic_task": "synthetic",
                    "laminar_rollout.rewards:exact_answer": "exact"}
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="the JSON spec bench_vs_trl.py wrote")
     parser.add_argument("--out", required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(_COMMON_SRC))
+    sys.path[:0] = [str(_COMMON_SRC), str(_EXAMPLES_SRC)]
     result = run(json.loads(Path(args.spec).read_text()))
     Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

@@ -68,8 +68,8 @@ def warmstart(args: argparse.Namespace) -> int:
     import torch
 
     from laminar_common.data.chat import observation_text, prompt_token_ids
-    from laminar_trainer.chat_model import build_chat_model, build_chat_tokenizer, save_chat_model
-    from laminar_trainer.warmstart import supervised_update
+    from laminar_examples.chat_model import build_chat_model, build_chat_tokenizer, save_chat_model
+    from laminar_examples.warmstart import supervised_update
 
     out = Path(args.out)
     write_data(Path(args.data), args.train, args.eval, args.seed)

@@ -16,7 +16,8 @@ def test_laminar_tiers_are_recognised_directly_and_under_a_wrapper():
     assert is_laminar_tier(["laminar-relay", "serve"])
     assert is_laminar_tier(["torchrun", "--nproc-per-node", "2", "-m", "laminar_trainer.cli",
                             "run"])
-    assert not is_laminar_tier(["laminar", "prompts"])
+    assert not is_laminar_tier(["laminar", "keys"])
+    assert not is_laminar_tier(["laminar-examples", "prompts"])
     assert not is_laminar_tier(["python", "-m", "my_trainer"])
 
 

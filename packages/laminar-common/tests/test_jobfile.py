@@ -82,3 +82,8 @@ def test_python_in_a_command_is_the_launchers_interpreter(tmp_path):
     assert _resolve(["python", "script.py", "-x"]) == [sys.executable, "script.py", "-x"]
     assert _resolve(["python3", "-m", "m"]) == [sys.executable, "-m", "m"]
     assert _resolve(["./run.sh"]) == ["./run.sh"]
+    # Laminar's console scripts, the examples' set-up command among them
+    assert _resolve(["laminar-trainer", "run"]) == [sys.executable, "-m", "laminar_trainer.cli",
+                                                    "run"]
+    assert _resolve(["laminar-examples", "prompts", "--n", "3"]) == [
+        sys.executable, "-m", "laminar_examples.cli", "prompts", "--n", "3"]

@@ -27,7 +27,8 @@ def test_laminar_tiers_have_their_check_flag_and_other_commands_none():
     assert default_check_args(["laminar-trainer", "run"]) == ("--print-config",)
     assert default_check_args(["laminar-rollout", "manage", "--x"]) == ("--print-config",)
     assert default_check_args(["laminar-relay", "serve"]) == ("--check",)
-    assert default_check_args(["laminar-trainer", "warmstart"]) == ()
+    assert default_check_args(["laminar-examples", "warmstart"]) == ()
+    assert default_check_args(["laminar-trainer", "export"]) == ()
     assert default_check_args(["python", "my_trainer.py"]) == ()
 
 
@@ -71,8 +72,8 @@ def test_a_command_that_cannot_run_is_named():
 
 
 def test_setup_paths_are_the_path_arguments_but_not_the_run_dir():
-    setup = [["laminar-trainer", "warmstart", "--out", "runs/demo/model", "--steps", "150"],
-             ["laminar", "prompts", "--out=runs/demo/train.jsonl"],
+    setup = [["laminar-examples", "warmstart", "--out", "runs/demo/model", "--steps", "150"],
+             ["laminar-examples", "prompts", "--out=runs/demo/train.jsonl"],
              ["laminar", "keys", "--out", "runs/demo/"], ["tool", "-x", "runs"]]
     assert setup_paths(setup, "runs/demo") == ["runs/demo/model", "runs/demo/train.jsonl"]
 

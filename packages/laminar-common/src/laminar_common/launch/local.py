@@ -11,7 +11,7 @@ Job file::
     run_dir: runs/demo
     etcd: {embedded: true}            # or {endpoints: ["host:2379"]}
     setup:                            # commands run in order before the tiers
-      - [laminar-trainer, warmstart, --out, "{run_dir}/model"]
+      - [laminar-examples, warmstart, --out, "{run_dir}/model"]
     tiers:                            # started in this order
       relay:   {command: [laminar-relay, serve], replicas: 1, config: {...}}
       manager: {command: [laminar-rollout, manage], config: {...}}
@@ -689,7 +689,8 @@ def _resolve(argv: list[str]) -> list[str]:
     """Run the tiers' console scripts, and ``python`` / ``python3``, with this interpreter
     (the environment ``laminar up`` runs in, whatever ``python`` on PATH is)."""
     scripts = {"laminar": "laminar_common.launch.cli", "laminar-relay": "laminar_relay.cli",
-               "laminar-rollout": "laminar_rollout.cli", "laminar-trainer": "laminar_trainer.cli"}
+               "laminar-rollout": "laminar_rollout.cli", "laminar-trainer": "laminar_trainer.cli",
+               "laminar-examples": "laminar_examples.cli"}
     if argv and argv[0] in scripts:
         return [sys.executable, "-m", scripts[argv[0]], *argv[1:]]
     if argv and argv[0] in ("python", "python3"):
