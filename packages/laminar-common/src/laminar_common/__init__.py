@@ -9,7 +9,8 @@ the etcd key schema. Three subpackages sit beside it:
 - :mod:`laminar_common.consume`: the trainer's side of the trajectory protocol
   (``TrajectoryConsumer``, exactly-once memory, content checks);
 - :mod:`laminar_common.launch`: the operator toolkit (the ``laminar`` CLI,
-  local and Ray launchers, a local etcd, processes, reports, demo tasks).
+  local and Ray launchers, a local etcd, processes, reports; the example jobs' tasks
+  and models are the laminar-examples package's).
 
 Names below are imported on first use.
 """

@@ -262,7 +262,8 @@ class WorkerConfig(ListenConfig):
     reward: str = "synthetic"
     """Reward function: a built-in (math: math-verify equivalence, needs
     laminar-common[math]; gsm8k: the number after ####; exact: exact-answer match;
-    synthetic: the demo's sort/reverse/add tasks) or package.module:function, called
+    synthetic: the demo's sort/reverse/add/repeat tasks, needs laminar-examples) or
+    package.module:function, called
     fn(prompt, completion, metadata) -> float with the ground truth in metadata["answer"]."""
     environment: EnvironmentConfig | None = None
     """Multi-turn trajectories (tool calling): unset, a trajectory is one completion."""

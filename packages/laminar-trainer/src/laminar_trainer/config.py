@@ -218,8 +218,9 @@ class EvalConfig(LaminarModel):
     """Keys of the held-out file (prompt_key, answer_key, id_key, system_prompt,
     chat_template), as the manager's ``data``."""
     reward: str = "synthetic"
-    """Reward that scores completions: a built-in name (synthetic, exact, math, gsm8k)
-    or ``package.module:function`` (the worker's contract)."""
+    """Reward that scores completions: a built-in name (synthetic, the demo's tasks,
+    needs laminar-examples; exact, math, gsm8k) or ``package.module:function`` (the
+    worker's contract)."""
     every_steps: int = Field(default=0, ge=0)
     """Evaluate every this many steps (0: only before and after)."""
     max_new_tokens: int = Field(default=32, ge=1)

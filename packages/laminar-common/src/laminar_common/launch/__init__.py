@@ -6,10 +6,10 @@ file (:mod:`.jobfile`), the local and Ray launchers (:mod:`.local`,
 :mod:`.ray_backend`), checking every tier's config before a launch
 (:mod:`.preflight`), a launch's run dir (:mod:`.rundir`), a local etcd (:mod:`.local_etcd`),
 child processes and their readiness (:mod:`.processes`), run reports
-(:mod:`.report`), the demo's synthetic tasks (:mod:`.tasks`), the math example's word problems
-as verl parquet (:mod:`.math_tasks`) and a bare
-member for membership demos (:mod:`.member`, :mod:`.demo`). No tier imports
-it for its hot paths; the core never imports it.
+(:mod:`.report`) and a bare member for membership demos (:mod:`.member`, :mod:`.demo`).
+No tier imports it; the core never imports it. The example jobs' tasks, models and
+warm starts are the laminar-examples package's (``laminar-examples prompts``,
+``warmstart``), not this toolkit's.
 
 Names below are imported on first use.
 """
