@@ -1,6 +1,7 @@
 """The shape of laminar-common: a core plus ``relay``, ``launch``, ``consume``, ``data`` and
 ``testing`` (test support, which may use any part and which no library module imports),
-no cycles.
+no cycles. And the libraries' shape: no tier imports ``laminar_common.launch`` or the
+examples, no library imports ``laminar_examples`` or holds a demo module.
 
 Reads every module's imports (module level and inside functions) with ``ast``, so the
 check holds for lazy imports too.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import laminar_common
 
@@ -116,3 +119,99 @@ def test_every_subpackage_exports_what_it_lists():
                 laminar_common.consume):
         for name in pkg.__all__:
             assert getattr(pkg, name) is not None, f"{pkg.__name__}.{name}"
+
+
+# -- the libraries and the examples ---------------------------------------------------
+# Libraries hold library code: the example jobs' content (tasks, prompt files, demo models,
+# warm starts) is the laminar-examples package's (examples/src/laminar_examples), which no
+# library imports; and no tier imports the operator toolkit (laminar_common.launch).
+
+REPO = Path(__file__).resolve().parents[3]
+LIBRARIES = {"laminar_common": "laminar-common", "laminar_relay": "laminar-relay",
+             "laminar_rollout": "laminar-rollout", "laminar_trainer": "laminar-trainer"}
+DEMO_MODULES = {"tasks", "math_tasks", "warmstart", "chat_warmstart", "demo_model", "chat_model"}
+
+
+def _package_dir(name: str) -> Path:
+    """``name``'s source directory in this repository, or a skip saying why there is none."""
+    path = REPO / "packages" / LIBRARIES[name] / "src" / name
+    if not path.is_dir():
+        pytest.skip(f"{path} is not here (the test reads the libraries' sources in the "
+                    "repository it runs from; an installed laminar-common alone has none)")
+    return path
+
+
+def _absolute_imports(path: Path, package: str) -> set[str]:
+    """Every module ``path`` imports (module level and inside functions), relative ones
+    made absolute (``package`` is the module's own package)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _library_imports(name: str) -> dict[str, set[str]]:
+    """Module name -> the modules it imports, for every module of library ``name``."""
+    root = _package_dir(name)
+    graph = {}
+    for path in sorted(root.rglob("*.py")):
+        if "proto" in path.relative_to(root).parts:
+            continue
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts.pop()
+        module = ".".join(parts)
+        package = module if is_package else module.rpartition(".")[0]
+        graph[module] = _absolute_imports(path, package)
+    assert graph, f"no modules under {root}"
+    return graph
+
+
+def _importing(graph: dict[str, set[str]], *prefixes: str) -> dict[str, list[str]]:
+    hits = {m: sorted(d for d in deps if any(d == p or d.startswith(p + ".") for p in prefixes))
+            for m, deps in graph.items()}
+    return {m: d for m, d in hits.items() if d}
+
+
+@pytest.mark.parametrize("tier", ["laminar_relay", "laminar_rollout", "laminar_trainer"])
+def test_no_tier_imports_the_operator_toolkit_or_the_examples(tier):
+    offenders = _importing(_library_imports(tier), "laminar_common.launch", "laminar_examples")
+    assert not offenders, f"{tier} imports the toolkit or the examples: {offenders}"
+
+
+def test_laminar_common_imports_no_examples():
+    offenders = _importing(_library_imports("laminar_common"), "laminar_examples")
+    assert not offenders, f"laminar_common imports laminar_examples: {offenders}"
+
+
+@pytest.mark.parametrize("library", sorted(LIBRARIES))
+def test_no_library_holds_demo_content(library):
+    root = _package_dir(library)
+    found = sorted(str(p.relative_to(root.parent)) for p in root.rglob("*")
+                   if (p.suffix == ".py" or p.is_dir()) and p.stem in DEMO_MODULES)
+    assert not found, (f"{library} holds demo modules {found}: they belong to laminar-examples "
+                       "(examples/src/laminar_examples)")
+
+
+def test_the_layout_checks_see_what_they_forbid(tmp_path):
+    """The checks catch a toolkit import inside a function, a relative import of the
+    examples, and a demo module by its name."""
+    mod = tmp_path / "mod.py"
+    mod.write_text("def f():\n    from laminar_common.launch import tasks\n"
+                   "from ..laminar_examples import tasks as t\n")
+    graph = {"pkg.sub.mod": _absolute_imports(mod, "pkg.sub")}
+    assert _importing(graph, "laminar_common.launch") == {
+        "pkg.sub.mod": ["laminar_common.launch", "laminar_common.launch.tasks"]}
+    assert _importing({"x": {"pkg.laminar_examples.tasks", "laminar_examples_other"}},
+                      "laminar_examples") == {}
+    assert _importing({"x": {"laminar_examples.tasks"}}, "laminar_examples") == {
+        "x": ["laminar_examples.tasks"]}
