@@ -4,7 +4,7 @@ Curated exports, what a custom stack uses: the engine interface to implement
 (``GenerationEngine`` and its request/output types), the built-in engines' factory,
 the configs, the services and their composition roots, and the reward contract. Loaded
 on first use (``laminar_common._lazy``): ``import laminar_rollout`` imports no torch.
-See the package README for how the tier works.
+How the tier works: docs/rollout.md in the repository.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def _sandbox_warnings(sb: Any) -> list[str]:
         out.append("the python tool's sandbox runs with rlimit isolation: no filesystem, "
                    "network or pid isolation" + (" and snippets run as root"
                                                   if sandbox.run_uid == 0 else "")
-                   + " (install bubblewrap; see the laminar-rollout README)")
+                   + " (install bubblewrap; see docs/rollout.md)")
     if not sandbox.seccomp:
         out.append("the python tool's sandbox has no seccomp filter (libseccomp2 missing)")
     if sandbox.whole_run_bound != "cgroup":

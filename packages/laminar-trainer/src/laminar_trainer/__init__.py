@@ -4,7 +4,7 @@ weight publishing, checkpoints).
 Curated exports, what a custom stack uses: publishing a state dict from your own loop
 (``publish_state_dict``) and reading one back (``state_dict_from``, ``load_into``), the
 config, the service, and the export of a checkpoint to a Hugging Face directory. Loaded on
-first use (``laminar_common._lazy``). See the package README for how the tier works.
+first use (``laminar_common._lazy``). How the tier works: docs/trainer.md in the repository.
 """
 
 from __future__ import annotations
