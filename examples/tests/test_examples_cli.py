@@ -4,16 +4,20 @@ slim ``--help`` (the prompts command from ``laminar``, the warm starts from
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
-import click
 import pytest
-from click.testing import CliRunner
 
 from laminar_common.jsonl import read_jsonl
-from laminar_common.testing import clear_laminar_env, option_envvars
+from laminar_common.testing import (
+    assert_help_lists_options,
+    clear_laminar_env,
+    complete,
+    completion_script,
+    option_envvars,
+    run_fresh,
+)
 from laminar_examples.cli import cli, main
 
 
@@ -46,16 +50,7 @@ def test_the_commands_and_their_options_are_those_of_before():
 
 @pytest.mark.parametrize("command", sorted(cli.commands))
 def test_help_of_every_command_lists_its_options_and_env_vars(command, capsys):
-    assert main([command, "--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"Usage: laminar-examples {command} [OPTIONS]")
-    for param in cli.commands[command].params:
-        if isinstance(param, click.Option):
-            for opt in param.opts:
-                assert opt in out, (opt, out)
-    flat = out.replace("\n", "").replace(" ", "")
-    for envvar in _option_envvars(command).values():
-        assert envvar in flat, (envvar, out)
+    assert_help_lists_options(cli, main, "laminar-examples", "LAMINAR_EXAMPLES", command, capsys)
 
 
 def test_options_come_from_their_env_vars(monkeypatch, tmp_path):
@@ -113,21 +108,11 @@ def test_a_warm_start_without_the_train_extra_says_what_to_install(monkeypatch, 
 
 
 def test_completion_script_and_completions(monkeypatch):
-    runner = CliRunner()
-    script = runner.invoke(cli, [], prog_name="laminar-examples",
-                           env={"_LAMINAR_EXAMPLES_COMPLETE": "bash_source"})
-    assert script.exit_code == 0
-    assert "complete -o nosort -F _laminar_examples_completion laminar-examples" in script.output
-    words = runner.invoke(cli, [], prog_name="laminar-examples",
-                          env={"_LAMINAR_EXAMPLES_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar-examples prompts --split ",
-                               "COMP_CWORD": "3"})
-    assert words.output.split() == ["plain,train", "plain,eval"]
-    words = runner.invoke(cli, [], prog_name="laminar-examples",
-                          env={"_LAMINAR_EXAMPLES_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar-examples warmstart --t",
-                               "COMP_CWORD": "2"})
-    assert words.output.split() == ["plain,--task", "plain,--target-accuracy"]
+    script = completion_script(cli, "laminar-examples")
+    assert "complete -o nosort -F _laminar_examples_completion laminar-examples" in script
+    assert complete(cli, "laminar-examples", "laminar-examples prompts --split ") == ["plain,train", "plain,eval"]
+    assert complete(cli, "laminar-examples", "laminar-examples warmstart --t") == ["plain,--task", "plain,--target-accuracy"]
+    # The console script's main() prints the script and exits 0.
     monkeypatch.setenv("_LAMINAR_EXAMPLES_COMPLETE", "bash_source")
     with pytest.raises(SystemExit) as exit_info:
         main([])
@@ -137,18 +122,13 @@ def test_completion_script_and_completions(monkeypatch):
 def test_help_and_prompts_import_nothing_heavy(tmp_path):
     """--help of every command and writing task prompts import no torch (the warm starts
     import it when they run)."""
-    code = (
-        "import contextlib, io, json, sys\n"
-        "from laminar_examples.cli import cli, main\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]\n"
-        f"    codes.append(main(['prompts', '--n', '3', '--out', {str(tmp_path / 'p.jsonl')!r}]))\n"
-        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('torch', 'transformers', 'tokenizers', 'vllm'))]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    codes, heavy = json.loads(out.stdout)
+    out = str(tmp_path / 'p.jsonl')
+    codes, heavy = run_fresh(f"""
+        from laminar_examples.cli import cli, main
+        codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]
+        codes.append(main(['prompts', '--n', '3', '--out', {out!r}]))
+        result = codes
+    """, ('torch', 'transformers', 'tokenizers', 'vllm'))
     assert codes == [0] * (len(cli.commands) + 2) and heavy == []
 
 

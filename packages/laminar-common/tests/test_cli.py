@@ -4,21 +4,23 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-import click
 import pytest
-from click.testing import CliRunner
 
 from laminar_common.config import load_config
 from laminar_common.launch.cli import cli, main
 from laminar_common.launch.member import MemberConfig
 from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd, MemberRecord, VersionRecord
 from laminar_common.roles import Extra, Role
-from laminar_common.testing import clear_laminar_env, option_envvars
+from laminar_common.testing import (
+    assert_help_lists_options,
+    clear_laminar_env,
+    complete,
+    completion_script,
+    option_envvars,
+    run_fresh,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -72,18 +74,7 @@ def test_the_commands_and_their_options_are_those_of_before():
 
 @pytest.mark.parametrize("command", sorted(cli.commands))
 def test_help_of_every_command_lists_its_options_and_env_vars(command, capsys):
-    assert main([command, "--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"Usage: laminar {command} [OPTIONS]")
-    for param in cli.commands[command].params:
-        if isinstance(param, click.Option):
-            for opt in param.opts:
-                assert opt in out, (opt, out)
-        else:
-            assert param.human_readable_name in out, (param.name, out)
-    flat = out.replace("\n", "").replace(" ", "")
-    for envvar in _option_envvars(command).values():
-        assert envvar in flat, (envvar, out)
+    assert_help_lists_options(cli, main, "laminar", "LAMINAR", command, capsys)
 
 
 def test_a_laminar_env_var_reaches_the_member_config_and_set_wins(monkeypatch, started):
@@ -186,18 +177,11 @@ def test_no_option_env_var_is_read_as_a_config_field():
 
 
 def test_completion_script_and_completions(monkeypatch):
-    runner = CliRunner()
-    script = runner.invoke(cli, [], prog_name="laminar", env={"_LAMINAR_COMPLETE": "bash_source"})
-    assert script.exit_code == 0
-    assert "complete -o nosort -F _laminar_completion laminar" in script.output
-    words = runner.invoke(cli, [], prog_name="laminar",
-                          env={"_LAMINAR_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar up job.yaml --backend ", "COMP_CWORD": "4"})
-    assert words.output.split() == ["plain,local", "plain,ray"]
-    words = runner.invoke(cli, [], prog_name="laminar",
-                          env={"_LAMINAR_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar st", "COMP_CWORD": "1"})
-    assert words.output.split() == ["plain,status"]
+    script = completion_script(cli, "laminar")
+    assert "complete -o nosort -F _laminar_completion laminar" in script
+    assert complete(cli, "laminar", "laminar up job.yaml --backend ") == ["plain,local", "plain,ray"]
+    assert complete(cli, "laminar", "laminar st") == ["plain,status"]
+    # The console script's main() prints the script and exits 0.
     monkeypatch.setenv("_LAMINAR_COMPLETE", "bash_source")
     with pytest.raises(SystemExit) as exit_info:
         main([])
@@ -205,15 +189,9 @@ def test_completion_script_and_completions(monkeypatch):
 
 
 def test_help_of_every_command_imports_nothing_heavy():
-    code = (
-        "import contextlib, io, json, sys\n"
-        "from laminar_common.launch.cli import cli, main\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]\n"
-        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('torch', 'transformers', 'vllm', 'tokenizers', 'pydantic', 'zmq', 'grpc'))]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    codes, heavy = json.loads(out.stdout)
-    assert set(codes) == {0} and len(codes) == len(cli.commands) + 1 and heavy == []
+    codes, heavy = run_fresh("""
+        from laminar_common.launch.cli import cli, main
+        codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]
+        result = codes
+    """, ('torch', 'transformers', 'vllm', 'tokenizers', 'pydantic', 'zmq', 'grpc'))
+    assert codes == [0] * (len(cli.commands) + 1) and heavy == []

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
-from click.testing import CliRunner
 
 from laminar_common.config import load_config
-from laminar_common.testing import clear_laminar_env, option_envvars
+from laminar_common.testing import (
+    assert_help_lists_options,
+    clear_laminar_env,
+    complete,
+    completion_script,
+    option_envvars,
+    run_fresh,
+)
 from laminar_relay.cli import cli, main
 from laminar_relay.config import RelayConfig
 
@@ -26,14 +28,7 @@ def _option_envvars(command_name: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("command", sorted(cli.commands))
 def test_help_of_every_command_lists_its_options_and_env_vars(command, capsys):
-    assert main([command, "--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"Usage: laminar-relay {command} [OPTIONS]")
-    for param in cli.commands[command].params:
-        for opt in param.opts:
-            assert opt in out, (opt, out)
-    for envvar in _option_envvars(command).values():
-        assert envvar in out.replace("\n", "").replace(" ", ""), (envvar, out)
+    assert_help_lists_options(cli, main, "laminar-relay", "LAMINAR_RELAY", command, capsys)
 
 
 def test_serve_has_the_options_of_before():
@@ -84,17 +79,10 @@ def test_no_option_env_var_is_read_as_a_config_field():
 
 
 def test_completion_script_and_completions(monkeypatch):
-    runner = CliRunner()
-    script = runner.invoke(cli, [], prog_name="laminar-relay",
-                           env={"_LAMINAR_RELAY_COMPLETE": "bash_source"})
-    assert script.exit_code == 0
-    assert "_laminar_relay_completion()" in script.output
-    assert "complete -o nosort -F _laminar_relay_completion laminar-relay" in script.output
-    words = runner.invoke(cli, [], prog_name="laminar-relay",
-                          env={"_LAMINAR_RELAY_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar-relay serve --ch", "COMP_CWORD": "2"})
-    assert words.output.split() == ["plain,--check"]
-    # The console script's main() prints the same script and exits 0.
+    script = completion_script(cli, "laminar-relay")
+    assert "complete -o nosort -F _laminar_relay_completion laminar-relay" in script
+    assert complete(cli, "laminar-relay", "laminar-relay serve --ch") == ["plain,--check"]
+    # The console script's main() prints the script and exits 0.
     monkeypatch.setenv("_LAMINAR_RELAY_COMPLETE", "zsh_source")
     with pytest.raises(SystemExit) as exit_info:
         main([])
@@ -102,18 +90,12 @@ def test_completion_script_and_completions(monkeypatch):
 
 
 def test_help_of_every_command_imports_nothing_heavy():
-    code = (
-        "import contextlib, io, json, sys\n"
-        "from laminar_relay.cli import cli, main\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]\n"
-        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('grpc', 'zmq', 'torch', 'numpy', 'pydantic', 'yaml'))]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    codes, heavy = json.loads(out.stdout)
-    assert set(codes) == {0} and heavy == []
+    codes, heavy = run_fresh("""
+        from laminar_relay.cli import cli, main
+        codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]
+        result = codes
+    """, ('grpc', 'zmq', 'torch', 'numpy', 'pydantic', 'yaml'))
+    assert codes == [0] * (len(cli.commands) + 1) and heavy == []
 
 
 def test_every_config_field_is_known_to_common_so_no_other_tier_warns_of_it():

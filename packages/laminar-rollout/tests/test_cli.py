@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
-from click.testing import CliRunner
 
 from laminar_common.config import load_config
-from laminar_common.testing import clear_laminar_env, option_envvars
+from laminar_common.testing import (
+    assert_help_lists_options,
+    clear_laminar_env,
+    complete,
+    completion_script,
+    option_envvars,
+    run_fresh,
+)
 from laminar_rollout.cli import cli, main
 from laminar_rollout.config import ManagerConfig, WorkerConfig
 
@@ -41,16 +43,7 @@ def test_the_commands_and_their_options_are_those_of_before():
 
 @pytest.mark.parametrize("command", sorted(cli.commands))
 def test_help_of_every_command_lists_its_options_and_env_vars(command, capsys):
-    assert main([command, "--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"Usage: laminar-rollout {command} [OPTIONS]")
-    for param in cli.commands[command].params:
-        for opt in param.opts:
-            assert opt in out, (opt, out)
-    flat = out.replace("\n", "").replace(" ", "")
-    for envvar in _option_envvars(command).values():
-        assert envvar in flat, (envvar, out)
-    assert "LAMINAR_A__B=c" in out  # the config env vars are documented too
+    assert_help_lists_options(cli, main, "laminar-rollout", "LAMINAR_ROLLOUT", command, capsys)
 
 
 def test_a_laminar_env_var_reaches_the_config_and_set_wins(monkeypatch, capsys):
@@ -109,19 +102,11 @@ def test_no_option_env_var_is_read_as_a_config_field(command):
 
 
 def test_completion_script_and_completions(monkeypatch):
-    runner = CliRunner()
-    script = runner.invoke(cli, [], prog_name="laminar-rollout",
-                           env={"_LAMINAR_ROLLOUT_COMPLETE": "bash_source"})
-    assert script.exit_code == 0
-    assert "complete -o nosort -F _laminar_rollout_completion laminar-rollout" in script.output
-    words = runner.invoke(cli, [], prog_name="laminar-rollout",
-                          env={"_LAMINAR_ROLLOUT_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar-rollout ", "COMP_CWORD": "1"})
-    assert words.output.split() == ["plain,manage", "plain,serve"]
-    words = runner.invoke(cli, [], prog_name="laminar-rollout",
-                          env={"_LAMINAR_ROLLOUT_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar-rollout manage --re", "COMP_CWORD": "2"})
-    assert words.output.split() == ["plain,--resume"]
+    script = completion_script(cli, "laminar-rollout")
+    assert "complete -o nosort -F _laminar_rollout_completion laminar-rollout" in script
+    assert complete(cli, "laminar-rollout", "laminar-rollout ") == ["plain,manage", "plain,serve"]
+    assert complete(cli, "laminar-rollout", "laminar-rollout manage --re") == ["plain,--resume"]
+    # The console script's main() prints the script and exits 0.
     monkeypatch.setenv("_LAMINAR_ROLLOUT_COMPLETE", "fish_source")
     with pytest.raises(SystemExit) as exit_info:
         main([])
@@ -129,19 +114,13 @@ def test_completion_script_and_completions(monkeypatch):
 
 
 def test_help_and_a_config_error_import_nothing_heavy():
-    code = (
-        "import contextlib, io, json, sys\n"
-        "from laminar_rollout.cli import cli, main\n"
-        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-        "    codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]\n"
-        "    codes.append(main(['serve', '--set', 'engine.type=torch', '--print-config']))\n"
-        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('torch', 'transformers', 'vllm', 'tokenizers', 'zmq'))]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    codes, heavy = json.loads(out.stdout)
-    assert codes == [0, 0, 0, 2] and heavy == []
+    codes, heavy = run_fresh("""
+        from laminar_rollout.cli import cli, main
+        codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]
+        codes.append(main(['serve', '--set', 'engine.type=torch', '--print-config']))
+        result = codes
+    """, ('torch', 'transformers', 'vllm', 'tokenizers', 'zmq'))
+    assert codes == [0] * (len(cli.commands) + 1) + [2] and heavy == []
 
 
 def test_replicas_of_one_config_draw_different_random_streams():

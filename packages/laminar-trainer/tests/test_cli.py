@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-import click
 import pytest
-from click.testing import CliRunner
 
 from laminar_common.config import load_config
-from laminar_common.testing import clear_laminar_env, option_envvars
+from laminar_common.testing import (
+    assert_help_lists_options,
+    clear_laminar_env,
+    complete,
+    completion_script,
+    option_envvars,
+    run_fresh,
+)
 from laminar_trainer.cli import cli, main
 from laminar_trainer.config import TrainerConfig
 
@@ -38,17 +39,7 @@ def test_the_commands_and_their_options_are_those_of_before():
 
 @pytest.mark.parametrize("command", sorted(cli.commands))
 def test_help_of_every_command_lists_its_options_and_env_vars(command, capsys):
-    assert main([command, "--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"Usage: laminar-trainer {command} [OPTIONS]")
-    for param in cli.commands[command].params:
-        if not isinstance(param, click.Option):
-            continue  # an argument is named in the usage line, in capitals
-        for opt in param.opts:
-            assert opt in out, (opt, out)
-    flat = out.replace("\n", "").replace(" ", "")
-    for envvar in _option_envvars(command).values():
-        assert envvar in flat, (envvar, out)
+    assert_help_lists_options(cli, main, "laminar-trainer", "LAMINAR_TRAINER", command, capsys)
 
 
 def test_a_laminar_env_var_reaches_the_config_and_set_wins(monkeypatch, capsys):
@@ -104,15 +95,10 @@ def test_no_option_env_var_is_read_as_a_config_field():
 
 
 def test_completion_script_and_completions(monkeypatch):
-    runner = CliRunner()
-    script = runner.invoke(cli, [], prog_name="laminar-trainer",
-                           env={"_LAMINAR_TRAINER_COMPLETE": "bash_source"})
-    assert script.exit_code == 0
-    assert "complete -o nosort -F _laminar_trainer_completion laminar-trainer" in script.output
-    words = runner.invoke(cli, [], prog_name="laminar-trainer",
-                          env={"_LAMINAR_TRAINER_COMPLETE": "bash_complete",
-                               "COMP_WORDS": "laminar-trainer export --d", "COMP_CWORD": "2"})
-    assert words.output.split() == ["plain,--dtype"]
+    script = completion_script(cli, "laminar-trainer")
+    assert "complete -o nosort -F _laminar_trainer_completion laminar-trainer" in script
+    assert complete(cli, "laminar-trainer", "laminar-trainer export --d") == ["plain,--dtype"]
+    # The console script's main() prints the script and exits 0.
     monkeypatch.setenv("_LAMINAR_TRAINER_COMPLETE", "bash_source")
     with pytest.raises(SystemExit) as exit_info:
         main([])
@@ -120,18 +106,12 @@ def test_completion_script_and_completions(monkeypatch):
 
 
 def test_help_and_print_config_import_no_torch():
-    code = (
-        "import contextlib, io, json, sys\n"
-        "from laminar_trainer.cli import cli, main\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]\n"
-        "    codes.append(main(['run', '--set', 'simulate.step_s=0', '--print-config']))\n"
-        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('torch', 'transformers', 'tokenizers'))]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    codes, heavy = json.loads(out.stdout)
+    codes, heavy = run_fresh("""
+        from laminar_trainer.cli import cli, main
+        codes = [main([c, '--help']) for c in cli.commands] + [main(['--help'])]
+        codes.append(main(['run', '--set', 'simulate.step_s=0', '--print-config']))
+        result = codes
+    """, ('torch', 'transformers', 'tokenizers'))
     assert codes == [0] * (len(cli.commands) + 2) and heavy == []
 
 

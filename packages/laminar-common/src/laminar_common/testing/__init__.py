@@ -28,11 +28,23 @@ from pydantic import BaseModel, ValidationError
 
 from laminar_common.config import load_config
 from laminar_common.errors import ConfigError
+from laminar_common.testing.cli import (
+    assert_help_lists_options,
+    clear_laminar_env,
+    complete,
+    completion_script,
+    option_envvars,
+    run_fresh,
+)
 
 __all__ = [
+    "assert_help_lists_options",
     "assert_public_api",
     "clear_laminar_env",
+    "complete",
+    "completion_script",
     "option_envvars",
+    "run_fresh",
     "assert_names_where",
     "check_load",
     "dotted_paths",
@@ -247,26 +259,6 @@ def make_loader_tests(model: type[BaseModel], *, max_examples: int = 150,
 
 
 # -- command lines ---------------------------------------------------------------
-
-
-def clear_laminar_env(monkeypatch) -> None:
-    """Remove every ``LAMINAR_*`` variable (a CLI test starts from a clean environment)."""
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("LAMINAR_"):
-            monkeypatch.delenv(name)
-
-
-def option_envvars(group, prog_name: str, envvar_prefix: str, command_name: str) -> dict[str, str]:
-    """``--option`` -> the variable click reads it from, as ``--help`` shows it."""
-    import click
-
-    root = click.Context(group, info_name=prog_name, auto_envvar_prefix=envvar_prefix)
-    ctx = click.Context(group.commands[command_name], info_name=command_name, parent=root)
-    return {p.opts[0]: f"{ctx.auto_envvar_prefix}_{p.name.upper()}"
-            for p in ctx.command.params
-            if isinstance(p, click.Option) and p.allow_from_autoenv}
 
 
 def assert_public_api(package: str) -> None:
