@@ -11,10 +11,9 @@ import pytest
 
 from laminar_common.jsonl import read_jsonl
 from laminar_common.testing import (
+    assert_completion,
     assert_help_lists_options,
     clear_laminar_env,
-    complete,
-    completion_script,
     option_envvars,
     run_fresh,
 )
@@ -108,15 +107,10 @@ def test_a_warm_start_without_the_train_extra_says_what_to_install(monkeypatch, 
 
 
 def test_completion_script_and_completions(monkeypatch):
-    script = completion_script(cli, "laminar-examples")
-    assert "complete -o nosort -F _laminar_examples_completion laminar-examples" in script
-    assert complete(cli, "laminar-examples", "laminar-examples prompts --split ") == ["plain,train", "plain,eval"]
-    assert complete(cli, "laminar-examples", "laminar-examples warmstart --t") == ["plain,--task", "plain,--target-accuracy"]
-    # The console script's main() prints the script and exits 0.
-    monkeypatch.setenv("_LAMINAR_EXAMPLES_COMPLETE", "bash_source")
-    with pytest.raises(SystemExit) as exit_info:
-        main([])
-    assert exit_info.value.code == 0
+    assert_completion(cli, main, "laminar-examples", monkeypatch, {
+        "laminar-examples prompts --split ": ["plain,train", "plain,eval"],
+        "laminar-examples warmstart --t": ["plain,--task", "plain,--target-accuracy"],
+    }, shell="bash")
 
 
 def test_help_and_prompts_import_nothing_heavy(tmp_path):

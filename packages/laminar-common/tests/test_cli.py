@@ -14,10 +14,9 @@ from laminar_common.launch.member import MemberConfig
 from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd, MemberRecord, VersionRecord
 from laminar_common.roles import Extra, Role
 from laminar_common.testing import (
+    assert_completion,
     assert_help_lists_options,
     clear_laminar_env,
-    complete,
-    completion_script,
     option_envvars,
     run_fresh,
 )
@@ -177,15 +176,10 @@ def test_no_option_env_var_is_read_as_a_config_field():
 
 
 def test_completion_script_and_completions(monkeypatch):
-    script = completion_script(cli, "laminar")
-    assert "complete -o nosort -F _laminar_completion laminar" in script
-    assert complete(cli, "laminar", "laminar up job.yaml --backend ") == ["plain,local", "plain,ray"]
-    assert complete(cli, "laminar", "laminar st") == ["plain,status"]
-    # The console script's main() prints the script and exits 0.
-    monkeypatch.setenv("_LAMINAR_COMPLETE", "bash_source")
-    with pytest.raises(SystemExit) as exit_info:
-        main([])
-    assert exit_info.value.code == 0
+    assert_completion(cli, main, "laminar", monkeypatch, {
+        "laminar up job.yaml --backend ": ["plain,local", "plain,ray"],
+        "laminar st": ["plain,status"],
+    }, shell="bash")
 
 
 def test_help_of_every_command_imports_nothing_heavy():

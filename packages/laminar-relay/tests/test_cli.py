@@ -6,10 +6,9 @@ import pytest
 
 from laminar_common.config import load_config
 from laminar_common.testing import (
+    assert_completion,
     assert_help_lists_options,
     clear_laminar_env,
-    complete,
-    completion_script,
     option_envvars,
     run_fresh,
 )
@@ -79,14 +78,9 @@ def test_no_option_env_var_is_read_as_a_config_field():
 
 
 def test_completion_script_and_completions(monkeypatch):
-    script = completion_script(cli, "laminar-relay")
-    assert "complete -o nosort -F _laminar_relay_completion laminar-relay" in script
-    assert complete(cli, "laminar-relay", "laminar-relay serve --ch") == ["plain,--check"]
-    # The console script's main() prints the script and exits 0.
-    monkeypatch.setenv("_LAMINAR_RELAY_COMPLETE", "zsh_source")
-    with pytest.raises(SystemExit) as exit_info:
-        main([])
-    assert exit_info.value.code == 0
+    assert_completion(cli, main, "laminar-relay", monkeypatch, {
+        "laminar-relay serve --ch": ["plain,--check"],
+    }, shell="zsh")
 
 
 def test_help_of_every_command_imports_nothing_heavy():

@@ -6,10 +6,9 @@ import pytest
 
 from laminar_common.config import load_config
 from laminar_common.testing import (
+    assert_completion,
     assert_help_lists_options,
     clear_laminar_env,
-    complete,
-    completion_script,
     option_envvars,
     run_fresh,
 )
@@ -102,15 +101,10 @@ def test_no_option_env_var_is_read_as_a_config_field(command):
 
 
 def test_completion_script_and_completions(monkeypatch):
-    script = completion_script(cli, "laminar-rollout")
-    assert "complete -o nosort -F _laminar_rollout_completion laminar-rollout" in script
-    assert complete(cli, "laminar-rollout", "laminar-rollout ") == ["plain,manage", "plain,serve"]
-    assert complete(cli, "laminar-rollout", "laminar-rollout manage --re") == ["plain,--resume"]
-    # The console script's main() prints the script and exits 0.
-    monkeypatch.setenv("_LAMINAR_ROLLOUT_COMPLETE", "fish_source")
-    with pytest.raises(SystemExit) as exit_info:
-        main([])
-    assert exit_info.value.code == 0
+    assert_completion(cli, main, "laminar-rollout", monkeypatch, {
+        "laminar-rollout ": ["plain,manage", "plain,serve"],
+        "laminar-rollout manage --re": ["plain,--resume"],
+    }, shell="fish")
 
 
 def test_help_and_a_config_error_import_nothing_heavy():

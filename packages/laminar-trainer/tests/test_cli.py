@@ -6,10 +6,9 @@ import pytest
 
 from laminar_common.config import load_config
 from laminar_common.testing import (
+    assert_completion,
     assert_help_lists_options,
     clear_laminar_env,
-    complete,
-    completion_script,
     option_envvars,
     run_fresh,
 )
@@ -95,14 +94,9 @@ def test_no_option_env_var_is_read_as_a_config_field():
 
 
 def test_completion_script_and_completions(monkeypatch):
-    script = completion_script(cli, "laminar-trainer")
-    assert "complete -o nosort -F _laminar_trainer_completion laminar-trainer" in script
-    assert complete(cli, "laminar-trainer", "laminar-trainer export --d") == ["plain,--dtype"]
-    # The console script's main() prints the script and exits 0.
-    monkeypatch.setenv("_LAMINAR_TRAINER_COMPLETE", "bash_source")
-    with pytest.raises(SystemExit) as exit_info:
-        main([])
-    assert exit_info.value.code == 0
+    assert_completion(cli, main, "laminar-trainer", monkeypatch, {
+        "laminar-trainer export --d": ["plain,--dtype"],
+    }, shell="bash")
 
 
 def test_help_and_print_config_import_no_torch():

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from laminar_common.config import load_config
 from laminar_common.errors import ConfigError
 from laminar_common.testing.cli import (
+    assert_completion,
     assert_help_lists_options,
     clear_laminar_env,
     complete,
@@ -38,6 +39,9 @@ from laminar_common.testing.cli import (
 )
 
 __all__ = [
+    "assert_bad_field_named",
+    "assert_bad_file_named",
+    "assert_completion",
     "assert_help_lists_options",
     "assert_public_api",
     "clear_laminar_env",
@@ -185,6 +189,37 @@ def assert_names_where(model: type[BaseModel], exc: ConfigError, path, items,
         return
     else:
         assert any(text.startswith(f"--set {item!r}") for item in items), text
+
+
+def assert_bad_field_named(model: type[BaseModel], items, field: str) -> str:
+    """``--set items`` on ``model`` fail with a :class:`ConfigError` whose list names
+    ``field`` by its full path; returns the error text."""
+    try:
+        load_config(model, None, list(items), env={})
+    except ConfigError as exc:
+        text = str(exc)
+    else:
+        raise AssertionError(f"--set {list(items)} loaded as a {model.__name__}")
+    assert f"\n  {field}: " in text, text
+    return text
+
+
+def assert_bad_file_named(model: type[BaseModel], path: Path, text: str,
+                          lines: list[str]) -> str:
+    """A config file ``path`` holding ``text`` fails with a :class:`ConfigError` that names
+    the file and has each of ``lines`` (``"path: what"``, or its start) in its list;
+    returns the error text."""
+    path.write_text(text)
+    try:
+        load_config(model, path, env={})
+    except ConfigError as exc:
+        error = str(exc)
+    else:
+        raise AssertionError(f"{path} loaded as a {model.__name__}")
+    assert str(path) in error, error
+    for line in lines:
+        assert f"\n  {line}" in error, (line, error)
+    return error
 
 
 def make_loader_tests(model: type[BaseModel], *, max_examples: int = 150,

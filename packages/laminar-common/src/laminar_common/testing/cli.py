@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["assert_help_lists_options", "clear_laminar_env", "complete", "completion_script",
+__all__ = ["assert_completion", "assert_help_lists_options", "clear_laminar_env", "complete", "completion_script",
            "option_envvars", "run_fresh"]
 
 
@@ -77,6 +77,23 @@ def complete(group, prog_name: str, words: str) -> list[str]:
         _complete_var(prog_name): "bash_complete", "COMP_WORDS": words,
         "COMP_CWORD": str(len(parts) - 1)})
     return result.output.split()
+
+
+def assert_completion(group, main: Callable[[Sequence[str]], int], prog_name: str, monkeypatch,
+                      offers: dict[str, list[str]], shell: str = "bash") -> None:
+    """Shell completion works: the bash script registers ``prog_name``, completing each
+    command line in ``offers`` gives its items (:func:`complete`), and the console
+    script's ``main([])`` prints the ``shell`` script and exits 0."""
+    import pytest
+
+    fn = "_" + prog_name.replace("-", "_") + "_completion"
+    assert f"complete -o nosort -F {fn} {prog_name}" in completion_script(group, prog_name)
+    for words, items in offers.items():
+        assert complete(group, prog_name, words) == items, words
+    monkeypatch.setenv(_complete_var(prog_name), f"{shell}_source")
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 0
 
 
 def run_fresh(code: str, heavy: Sequence[str], timeout_s: float = 60) -> tuple[object, list[str]]:
