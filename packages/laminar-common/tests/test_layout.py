@@ -202,6 +202,24 @@ def test_no_library_holds_demo_content(library):
                        "(examples/src/laminar_examples)")
 
 
+SERVICES = {"laminar_relay": ("laminar_relay.service",),
+            "laminar_rollout": ("laminar_rollout.worker", "laminar_rollout.manager"),
+            "laminar_trainer": ("laminar_trainer.service",)}
+"""Each tier's services: the composition roots that wire its components together."""
+
+
+@pytest.mark.parametrize("tier", sorted(SERVICES))
+def test_components_never_import_their_service(tier):
+    """A component is wired by its service and never reaches back into it: only the
+    package's ``__init__`` (its lazy exports) and its CLI import a service module."""
+    services = SERVICES[tier]
+    graph = _library_imports(tier)
+    assert set(services) <= set(graph), f"{tier}: no module {set(services) - set(graph)}"
+    allowed = {tier, f"{tier}.cli", *services}
+    offenders = {m: d for m, d in _importing(graph, *services).items() if m not in allowed}
+    assert not offenders, f"{tier}: components import a service: {offenders}"
+
+
 def test_the_layout_checks_see_what_they_forbid(tmp_path):
     """The checks catch a toolkit import inside a function, a relative import of the
     examples, and a demo module by its name."""
