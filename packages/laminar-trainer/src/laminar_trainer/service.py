@@ -45,7 +45,6 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import yaml
@@ -68,14 +67,9 @@ from laminar_common.service import Service
 from laminar_common.status import StatusWriter
 from laminar_common.transport import PullReceiver, PushSender, make_pull_receiver, make_push_sender
 
+from .backend import make_backend
 from .buffer import Added, ConsumedIds, ExperienceBuffer, Group
-from .checkpoint import (
-    TrainerState,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    save_model_dir,
-)
+from .checkpoint import TrainerState, latest_checkpoint
 from .config import TrainerConfig
 from .console import (
     WAIT_REASON_EVERY_S,
@@ -84,12 +78,10 @@ from .console import (
     step_line,
     why_waiting,
 )
-from .distributed import Command, DistContext, save_sharded
-from .policy import Training, build_training, evaluate_records, restore_training
-from .precision import torch_dtype
-from .publisher import Snapshot, WeightPublisher, snapshot_model, snapshot_state
+from .distributed import Command, DistContext
+from .publisher import Snapshot, WeightPublisher
 from .samples import SampleLogger
-from .step import StepResult, train_step, trajectory_metrics
+from .step import StepResult, trajectory_metrics
 from .tracking import MultiTracker, make_trackers
 from .version import __version__
 
@@ -132,16 +124,12 @@ class TrainerService(Service):
         self.coordinator = coordinator
         self.resume = resume
         self.dist = dist
-        self.training: Training | None = None
+        self.policy = make_backend(config, dist)
+        """What a step trains: a real model or a simulated step (:mod:`.backend`)."""
         self.publish_fn = publish_fn
         self.run_dir = Path(config.run_dir)
         self.step = 0
         self.version = 0
-        self.model = None
-        self.tokenizer = None
-        self.optimizer = None
-        self.scheduler = None
-        self.ref_model = None
         self.buffer = ExperienceBuffer(
             capacity=config.buffer.capacity, policy=config.buffer.policy,
             max_staleness=config.buffer.max_staleness, stale_action=config.buffer.stale_action,
@@ -159,7 +147,6 @@ class TrainerService(Service):
         """The newest manager record seen by the watch (acks never look it up in etcd)."""
         self._manager_changed = threading.Event()
         self.status: StatusWriter | None = None
-        self._vocab_size: int | None = None
         self.ended_early: str | None = None
         """Why the run ended before ``total_steps`` (``on_data_exhausted: finish``)."""
         self._resume_floor = 0
@@ -211,6 +198,19 @@ class TrainerService(Service):
         self.finished = threading.Event()
         self.records: StepRecordWriter | None = None
 
+    @property
+    def model(self):
+        """The policy's model (None for a simulated step)."""
+        return self.policy.model
+
+    @property
+    def optimizer(self):
+        return self.policy.optimizer
+
+    @property
+    def scheduler(self):
+        return self.policy.scheduler
+
     # -- lifecycle --------------------------------------------------------------
 
     def _start(self) -> None:
@@ -244,7 +244,7 @@ class TrainerService(Service):
         self._load()
         self._first_step = self.step
         self.records = self._make_records()
-        self.samples = SampleLogger(self.run_dir, cfg.samples, self.tokenizer, self.trackers)
+        self.samples = SampleLogger(self.run_dir, cfg.samples, self.policy.tokenizer, self.trackers)
         latest = self.coordinator.latest_version()
         published = -1 if latest is None else latest.version
         if self.step > 0 or published >= 0:
@@ -345,19 +345,7 @@ class TrainerService(Service):
         ckpt = latest_checkpoint(cfg.checkpoint.dir) if self.resume and cfg.checkpoint.dir else None
         if self.resume and ckpt is None:
             log.warning("--resume: no checkpoint in %s; starting fresh", cfg.checkpoint.dir)
-        state = None
-        if cfg.simulate is None:
-            # One process reads a checkpoint's weights once, at build; ranks get them
-            # sharded from rank 0 in restore_training.
-            weights = ckpt if self.dist is None else None
-            self.training = build_training(cfg, self.dist, weights)
-            t = self.training
-            self.model, self.tokenizer, self.ref_model = t.model, t.tokenizer, t.ref_model
-            self.optimizer, self.scheduler = t.optimizer, t.scheduler
-            self._vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-            state = restore_training(t, ckpt, self.dist)
-        elif ckpt is not None:
-            state = load_checkpoint(ckpt, None)
+        state = self.policy.load(ckpt)
         if state is not None:
             self.step, self.version = state.step, state.version
             self._last_checkpoint_step = state.step
@@ -383,7 +371,7 @@ class TrainerService(Service):
             return None
         where = cfg.records.dir or (Path(cfg.checkpoint.dir) / "records" if cfg.checkpoint.dir
                                     else self.run_dir / "records")
-        tok = self.tokenizer
+        tok = self.policy.tokenizer
         writer = StepRecordWriter(
             where, dump_config(cfg), cfg.records.keep_steps,
             decode=None if tok is None else lambda ids: tok.decode(list(ids)),
@@ -418,24 +406,7 @@ class TrainerService(Service):
         os.replace(tmp, path)
 
     def _snapshot(self) -> Snapshot:
-        if self.model is not None and self.dist is not None:
-            t0 = time.perf_counter()
-            # Gathered tensor by tensor, cast on the device: fresh CPU copies already.
-            full = self.dist.gather_for_publish(self.model, torch_dtype(self.config.publish_dtype))
-            return snapshot_state(full, self.version, self.step, time.perf_counter() - t0,
-                                  copy=False)
-        if self.model is not None:
-            return snapshot_model(self.model, self.version, self.step,
-                                  dtype=torch_dtype(self.config.publish_dtype))
-        t0 = time.perf_counter()
-        # Simulated weights: zeros but for every 200th byte from an offset that moves with
-        # the version, so consecutive versions differ in 1% of their bytes.
-        raw = bytearray(self.config.simulate.weight_bytes)
-        marks = range(self.version % 200, len(raw), 200)
-        raw[marks.start::200] = bytes([self.version % 251 + 1]) * len(marks)
-        blob = memoryview(raw)
-        return Snapshot(self.version, self.step, [("simulated.weights", "uint8", (blob.nbytes,),
-                                                    blob)], blob.nbytes, time.perf_counter() - t0)
+        return self.policy.snapshot(self.version, self.step)
 
     def _publish(self, initial: bool = False) -> float:
         stall = self.publisher.submit(self._snapshot())
@@ -450,7 +421,7 @@ class TrainerService(Service):
             msg = self.receiver.recv(timeout_s=0.1)
             if msg is None:
                 continue
-            invalid = check_trajectory(msg, self._vocab_size, self.version,
+            invalid = check_trajectory(msg, self.policy.vocab_size, self.version,
                                        self.config.temperature)
             known = self.buffer.known(msg) if invalid is None or \
                 invalid.reason != "bad-group" else None
@@ -544,7 +515,7 @@ class TrainerService(Service):
 
     def _train_steps(self) -> None:
         cfg = self.config
-        if cfg.eval.prompts and self.model is not None and self.step == 0:
+        if cfg.eval.prompts and self.policy.can_evaluate and self.step == 0:
             self.eval_before = self._evaluate()
             self._track(self.eval_last)
             print(f"EVAL before step 0: held-out accuracy {self.eval_before:.3f}"
@@ -697,7 +668,7 @@ class TrainerService(Service):
 
     @property
     def _streaming(self) -> bool:
-        return self.config.optim.stream and self.model is not None
+        return self.config.optim.stream and self.policy.can_stream
 
     def _final_checkpoint(self) -> None:
         """Graceful stop (SIGTERM/SIGINT): checkpoint the steps since the last one and
@@ -754,19 +725,9 @@ class TrainerService(Service):
 
     def _train(self, groups: list[Group]) -> tuple[StepResult, float]:
         """The optimizer step (across ranks, in one process, or simulated)."""
-        cfg = self.config
         t0 = time.monotonic()
-        if self.model is not None and self.dist is not None:
-            result = train_step(self.model, self.optimizer, self.scheduler,
-                                self.dist.send_step(groups, self.version), cfg,
-                                ref_model=self.ref_model, dist=self.dist, version=self.version)
-        elif self.model is not None:
-            result = train_step(self.model, self.optimizer, self.scheduler, groups, cfg,
-                                ref_model=self.ref_model, version=self.version,
-                                more=self._more_groups if self._streaming else None)
-        else:
-            time.sleep(cfg.simulate.step_s)
-            result = StepResult.simulated(groups)
+        result = self.policy.train(groups, self.version,
+                                   self._more_groups if self._streaming else None)
         self.step += 1
         train_s = time.monotonic() - t0 - self._stream_wait
         self._train_s += train_s
@@ -824,7 +785,7 @@ class TrainerService(Service):
             "tokens": result.tokens, "tokens_per_s": self._tokens_consumed / max(elapsed, 1e-9),
             "step_s": train_s, "wait_s": waited, "stall_s": stall,
             "staleness_mean": statistics.fmean(staleness), "staleness_max": max(staleness),
-            "buffer": len(self.buffer), "simulated": self.model is None,
+            "buffer": len(self.buffer), "simulated": self.policy.simulated,
             "groups_filtered": self._filtered_last_step, **trajectory_metrics(trajs),
             **result.stats,
         }
@@ -833,7 +794,7 @@ class TrainerService(Service):
         cfg = self.config
         # The last step's weights are evaluated once, after the loop (eval_after).
         if cfg.eval.prompts and cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 \
-                and self.step < cfg.total_steps and self.model is not None:
+                and self.step < cfg.total_steps and self.policy.can_evaluate:
             self._evaluate()
             metrics.update(self.eval_last)
 
@@ -923,16 +884,7 @@ class TrainerService(Service):
         state = TrainerState(self.step, self.version, [i for i, _ in kept], self.config.seed,
                              consumed_seqs=[q for _, q in kept], settled_below=watermark,
                              failed=failed)
-        full: dict[str, Any] = {"model_state": None, "optimizer_state": None}
-        if self.model is not None and self.config.checkpoint.format == "sharded":
-            save = save_sharded if self.dist is None else self.dist.save_sharded
-            model, optimizer = self.model, self.optimizer
-            full["write_sharded"] = lambda path: save(model, optimizer, path)
-        elif self.model is not None and self.dist is not None:
-            full["model_state"], full["optimizer_state"] = self.dist.gather_for_checkpoint(
-                self.model, self.optimizer)
-        save_checkpoint(self.config.checkpoint.dir, self.model, self.tokenizer, self.optimizer,
-                        state, keep=self.config.checkpoint.keep, **full)
+        self.policy.checkpoint(state)
         log.info("checkpoint at step %d in %.2fs", self.step, time.monotonic() - t0)
         self._last_checkpoint_step = self.step
         self._ack(durable)
@@ -1071,11 +1023,8 @@ class TrainerService(Service):
 
         if self._eval_records is None:
             self._eval_records = load_eval_records(self.config.eval)
-        records = self._eval_records
-        if self.dist is not None:
-            self.dist.send_eval(records, self.config.eval.max_new_tokens)
         t0 = time.monotonic()
-        result = evaluate_records(self.training, records, self.config)
+        result = self.policy.evaluate(self._eval_records)
         self.eval_last = {**result.metrics(), "eval_seconds": time.monotonic() - t0}
         self._eval_step = self.step
         return result.accuracy
@@ -1083,11 +1032,9 @@ class TrainerService(Service):
     def _save_final(self) -> Path | None:
         """The trained model as a Hugging Face directory (``final_dir``, default
         ``<run_dir>/final``), with or without checkpoints; None for a simulated step."""
-        if self.model is None:
+        path = self.policy.save_final()
+        if path is None:
             return None
-        full = self.dist.gather_for_publish(self.model) if self.dist is not None else None
-        path = save_model_dir(self.config.final_model_dir, self.model, self.tokenizer,
-                              state_dict=full)
         log.info("final model of step %d saved in %s", self.step, path)
         return path
 
@@ -1095,7 +1042,7 @@ class TrainerService(Service):
         cfg = self.config
         self.publisher.wait_idle(timeout_s=300)
         final = self._save_final()
-        if cfg.eval.prompts and self.model is not None:
+        if cfg.eval.prompts and self.policy.can_evaluate:
             self.eval_after = self._evaluate()
             self._track(self.eval_last)
             print(f"EVAL after step {self.step}: held-out accuracy {self.eval_after:.3f}"
@@ -1135,6 +1082,6 @@ class TrainerService(Service):
             "refused_stale_after_resume": self.refused_stale_resume,
             "ended_early": self.ended_early,
             "nonfinite_steps": self.nonfinite_steps,
-            "simulated_step": self.model is None, "run_dir": str(self.run_dir),
+            "simulated_step": self.policy.simulated, "run_dir": str(self.run_dir),
             "tracker_errors": self.trackers.errors,
         }
