@@ -127,6 +127,7 @@ def test_the_synthetic_builtin_without_laminar_examples_says_what_to_install(mon
             load_reward_fn(spec)
         assert repr(spec) in str(info.value)
         assert "laminar-examples package, which is not installed" in str(info.value)
+        assert "another built-in (exact, gsm8k, math" in str(info.value)
 
 
 @pytest.mark.parametrize("spec,match", [

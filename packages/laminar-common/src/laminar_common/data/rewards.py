@@ -128,9 +128,11 @@ def load_reward_fn(spec: str) -> RewardFn:
     except ImportError as exc:
         missing = (exc.name or "").partition(".")[0]
         if missing in _DISTRIBUTIONS and module_name.partition(".")[0] == missing:
+            others = ", ".join(sorted(set(BUILTIN_REWARDS) - {spec}))
             raise ConfigError(
                 f"reward {spec!r}: {module_name!r} is in the {_DISTRIBUTIONS[missing]} "
-                f"package, which is not installed here: pip install {_DISTRIBUTIONS[missing]}"
+                f"package, which is not installed here: pip install {_DISTRIBUTIONS[missing]}, "
+                f"or set the reward to another built-in ({others}) or to module:function"
             ) from exc
         raise ConfigError(f"reward {spec!r}: cannot import {module_name!r}: {exc}") from exc
     fn = getattr(module, attr, None)
