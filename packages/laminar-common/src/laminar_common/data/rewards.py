@@ -128,7 +128,8 @@ def load_reward_fn(spec: str) -> RewardFn:
     except ImportError as exc:
         missing = (exc.name or "").partition(".")[0]
         if missing in _DISTRIBUTIONS and module_name.partition(".")[0] == missing:
-            others = ", ".join(sorted(set(BUILTIN_REWARDS) - {spec}))
+            others = ", ".join(sorted(name for name, target in BUILTIN_REWARDS.items()
+                                      if not target.startswith(missing)))
             raise ConfigError(
                 f"reward {spec!r}: {module_name!r} is in the {_DISTRIBUTIONS[missing]} "
                 f"package, which is not installed here: pip install {_DISTRIBUTIONS[missing]}, "
