@@ -107,6 +107,32 @@ def prompts(task: str, n: int, split: str, seed: int, out: str,
     return 0
 
 
+def _warm_start(command: str, out: str, force: bool, run) -> int:
+    """What both warm starts do around ``run(out_dir)``: check the ``train`` extra, leave a
+    model already in ``out`` (unless ``force``), train on two threads, print the result; a
+    bad difficulty or task (ValueError) is exit 2, one line on stderr."""
+    from pathlib import Path
+
+    if not _train_extra(command):
+        return 2
+    import torch
+
+    out_dir = Path(out)
+    if (out_dir / "warm_start.json").is_file() and not force:
+        print(f"warm start: {out_dir} already holds a model "
+              f"({(out_dir / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
+        return 0
+    torch.set_num_threads(2)
+    try:
+        result = run(out_dir)
+    except ValueError as exc:
+        print(f"laminar-examples {command}: {exc}", file=sys.stderr)
+        return 2
+    print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
+                                       if isinstance(v, (int, float, str))}))
+    return 0
+
+
 @cli.command(short_help="build, briefly supervise and save the demo's tiny model",
              help="Build, briefly supervise and save the demo's tiny model.")
 @_option("--out", required=True, type=click.Path(), help="output directory (save_pretrained)")
@@ -124,33 +150,17 @@ def prompts(task: str, n: int, split: str, seed: int, out: str,
 def warmstart(out: str, task: str, steps: int | None, difficulty: tuple[str, ...],
               demo_error_rate: float, target_accuracy: float | None, seed: int,
               force: bool) -> int:
-    from pathlib import Path
+    def run(out_dir):
+        from .tasks import parse_difficulty
+        from .warmstart import DEFAULT_WARM_START_STEPS, warm_start
 
-    if not _train_extra("warmstart"):
-        return 2
-    import torch
-
-    from .tasks import parse_difficulty
-    from .warmstart import DEFAULT_WARM_START_STEPS, warm_start
-
-    out_dir = Path(out)
-    if (out_dir / "warm_start.json").is_file() and not force:
-        print(f"warm start: {out_dir} already holds a model "
-              f"({(out_dir / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
-        return 0
-    torch.set_num_threads(2)
-    try:
-        result = warm_start(
+        return warm_start(
             out_dir, task=task, seed=seed,
             steps=steps if steps is not None else DEFAULT_WARM_START_STEPS,
             difficulty=parse_difficulty(task, list(difficulty)),
             demo_error_rate=demo_error_rate, target_accuracy=target_accuracy)
-    except ValueError as exc:
-        print(f"laminar-examples warmstart: {exc}", file=sys.stderr)
-        return 2
-    print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
-                                       if isinstance(v, (int, float, str))}))
-    return 0
+
+    return _warm_start("warmstart", out, force, run)
 
 
 @cli.command("warmstart-chat",
@@ -167,31 +177,15 @@ def warmstart(out: str, task: str, steps: int | None, difficulty: tuple[str, ...
 @_option("--force", is_flag=True, help="rebuild even if --out holds a model")
 def warmstart_chat(out: str, steps: int | None, difficulty: tuple[str, ...],
                    demo_error_rate: float, seed: int, force: bool) -> int:
-    from pathlib import Path
+    def run(out_dir):
+        from .chat_warmstart import DEFAULT_CHAT_STEPS, warm_start_chat
+        from .math_tasks import parse_math_difficulty
 
-    if not _train_extra("warmstart-chat"):
-        return 2
-    import torch
-
-    from .chat_warmstart import DEFAULT_CHAT_STEPS, warm_start_chat
-    from .math_tasks import parse_math_difficulty
-
-    out_dir = Path(out)
-    if (out_dir / "warm_start.json").is_file() and not force:
-        print(f"warm start: {out_dir} already holds a model "
-              f"({(out_dir / 'warm_start.json').read_text().strip()[:200]}); --force rebuilds it")
-        return 0
-    torch.set_num_threads(2)
-    try:
-        result = warm_start_chat(
+        return warm_start_chat(
             out_dir, steps=steps if steps is not None else DEFAULT_CHAT_STEPS, seed=seed,
             difficulty=parse_math_difficulty(list(difficulty)), demo_error_rate=demo_error_rate)
-    except ValueError as exc:
-        print(f"laminar-examples warmstart-chat: {exc}", file=sys.stderr)
-        return 2
-    print("warm start: " + json.dumps({k: v for k, v in vars(result).items()
-                                       if isinstance(v, (int, float, str))}))
-    return 0
+
+    return _warm_start("warmstart-chat", out, force, run)
 
 
 def main(argv: list[str] | None = None) -> int:
