@@ -300,6 +300,33 @@ def test_graceful_stop_writes_a_final_checkpoint_and_acks_it(tmp_path, model_dir
         svc2.close()
 
 
+def test_a_checkpointed_step_already_has_its_metrics_and_samples_rows(tmp_path, model_dir):
+    """The checkpoint comes last in a step: a trainer killed right after it resumes after a
+    step whose rows are all written (before, the rows came after the checkpoint, and a
+    kill between the two lost the step's metrics row for good)."""
+    h = Harness(tmp_path, model_dir, total_steps=4, samples={"every_steps": 1})
+    seen: list[tuple[int, list[int], list[int]]] = []
+    svc = h.start()
+    checkpoint = svc._checkpoint
+
+    def checked() -> None:
+        run = tmp_path / "run"
+        rows = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+        samples = [json.loads(x)["step"] for x in (run / "samples.jsonl").read_text().splitlines()]
+        seen.append((svc.step, rows, samples))
+        checkpoint()
+
+    svc._checkpoint = checked
+    try:
+        h.send(svc, [t for p in "abcdefgh" for t in _trajs(p)])
+        assert _wait(lambda: svc.finished.is_set(), 60)
+    finally:
+        svc.close()
+    assert [step for step, _, _ in seen] == [2, 4]
+    for step, rows, samples in seen:
+        assert rows[-1] == step and samples[-1] == step, (step, rows, samples)
+
+
 _STREAM = {"batch_groups": 2, "optim": {"lr": 1e-2, "mini_batches": 2, "shuffle": False,
                                          "stream": True},
            "loss": {"proximal": "loglinear"}}

@@ -679,7 +679,7 @@ class TrainerService(Service):
         self._checkpoint()
 
     def _one_step(self, groups: list[Group], waited: float) -> None:
-        """One step of the loop: train, publish, account, checkpoint/ack, eval, report."""
+        """One step of the loop: train, publish, account, eval, report, checkpoint/ack."""
         consume_version = self.version
         self._check_rewards(groups)
         if self._t_first_step is None:
@@ -700,11 +700,14 @@ class TrainerService(Service):
             metrics["stream_wait_s"] = self._stream_wait
         if self.records is not None:
             metrics["record_s"] = record_s
-        self._maybe_checkpoint_or_ack()
         self._maybe_evaluate(metrics)
         self._report_step(metrics, result, stall)
         # After the step's row: W&B refuses anything logged at a step below one it saw.
         self.samples.maybe_log(self.step, self.version, groups)
+        # Last: a checkpoint's step has its metrics and samples rows. A trainer killed
+        # between the two would resume after a step whose rows are missing for good; now
+        # it resumes from the checkpoint before, drops the later rows and logs them again.
+        self._maybe_checkpoint_or_ack()
 
     def _record(self, groups: list[Group], version: int) -> float:
         """Write the step's record (before its checkpoint: a checkpoint's step always has
