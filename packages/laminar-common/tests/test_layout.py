@@ -19,34 +19,9 @@ import laminar_common
 ROOT = Path(laminar_common.__file__).parent
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def _imports() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
-    for path in ROOT.rglob("*.py"):
-        if "proto" in path.parts:
-            continue
-        name = _module_name(path)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
-                                    + ([base] if base else []))
-                if base.startswith("laminar_common"):
-                    deps.add(base)
-                    deps.update(f"{base}.{a.name}" for a in node.names)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("laminar_common"))
-        graph[name] = deps
+    """laminar_common's own import graph: module -> the laminar_common modules it imports."""
+    graph = _graph(ROOT)
     modules = set(graph)
     return {m: {d for d in deps if d in modules and d != m} for m, deps in graph.items()}
 
@@ -158,9 +133,9 @@ def _absolute_imports(path: Path, package: str) -> set[str]:
     return out
 
 
-def _library_imports(name: str) -> dict[str, set[str]]:
-    """Module name -> the modules it imports, for every module of library ``name``."""
-    root = _package_dir(name)
+def _graph(root: Path) -> dict[str, set[str]]:
+    """Module name -> every module it imports, for each module of the package at ``root``
+    (generated ``proto`` code left out)."""
     graph = {}
     for path in sorted(root.rglob("*.py")):
         if "proto" in path.relative_to(root).parts:
@@ -174,6 +149,11 @@ def _library_imports(name: str) -> dict[str, set[str]]:
         graph[module] = _absolute_imports(path, package)
     assert graph, f"no modules under {root}"
     return graph
+
+
+def _library_imports(name: str) -> dict[str, set[str]]:
+    """Module name -> the modules it imports, for every module of library ``name``."""
+    return _graph(_package_dir(name))
 
 
 def _importing(graph: dict[str, set[str]], *prefixes: str) -> dict[str, list[str]]:
