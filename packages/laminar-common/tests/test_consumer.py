@@ -14,8 +14,13 @@ import time
 
 import pytest
 
-from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
-from laminar_common.consume.consumer import ConsumedIds, TrajectoryConsumer, check_trajectory
+from laminar_common.codec import Ack, GroupsFiltered, Trajectory, TrajectoryRejected
+from laminar_common.consume.consumer import (
+    ConsumedIds,
+    Invalid,
+    TrajectoryConsumer,
+    check_trajectory,
+)
 from laminar_common.launch.readiness import wait_ready
 from laminar_common.membership import (
     InMemoryCoordinator,
@@ -43,7 +48,7 @@ class Manager:
 
     def __init__(self, store: InMemoryEtcd, started_at: float) -> None:
         self.rx = make_pull_receiver(f"inproc://acks-{next(_names)}",
-                                     expect=(Ack, TrajectoryRejected))
+                                     expect=(Ack, TrajectoryRejected, GroupsFiltered))
         self.coord = InMemoryCoordinator(store, "job")
         self.coord.register(MemberRecord(member_id="manager", role=Role.MANAGER,
                                          started_at=started_at,
@@ -334,3 +339,138 @@ def test_importing_the_consumer_does_not_import_torch():
     code = ("import sys, laminar_common.consume.consumer; "
             "sys.exit(any(m.split('.')[0] == 'torch' for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_held_final_rejections_wait_for_the_checkpoint_that_records_them(store, make_consumer):
+    """hold_final_rejections (the built-in trainer with checkpoints): a final rejection
+    goes out only with the first ack after a state() that records the id as failed, so
+    a trainer restored from an older checkpoint never trains an id the manager was told
+    it gave up on."""
+    manager = Manager(store, started_at=1.0)
+    failed = []
+    consumer, worker = make_consumer(max_rejections=1, hold_final_rejections=True,
+                                     on_failed=lambda t, why: failed.append((t.trajectory_id,
+                                                                             why)))
+    worker.send(traj("p0#0", reward=float("nan")))
+    worker.send(traj("p0#1"))
+    assert consumer.poll(timeout_s=1).trajectory_id == "p0#1"
+    assert [t for t, _ in failed] == ["p0#0"] and "non-finite-reward" in failed[0][1]
+    # A copy of the failed id is dropped and its notice stays held too.
+    worker.send(traj("p0#0"))
+    assert consumer.poll(timeout_s=0.3) is None
+    assert manager.received(0.3) == [], "a final rejection left before any checkpoint"
+    consumer.ack([])  # no state() yet: nothing is durable
+    assert manager.received(0.3) == []
+    state = consumer.state(trained=["p0#1"])
+    assert state["failed"] == {"p0#0": failed[0][1]}
+    worker.send(traj("p1#0", reward=float("inf")))  # failed after the state: stays held
+    assert consumer.poll(timeout_s=0.5) is None
+    consumer.ack(["p0#1"])
+    got = manager.received(count=2)
+    assert [(type(m).__name__, getattr(m, "trajectory_id", None)) for m in got] == [
+        ("TrajectoryRejected", "p0#0"), ("Ack", None)], got
+    assert got[0].final and got[1].trajectory_ids == ("p0#1",)
+    consumer.state()
+    consumer.ack([])
+    [late] = manager.received(count=1)
+    assert late.trajectory_id == "p1#0" and late.final
+
+
+def test_state_with_trained_leaves_out_what_was_polled_but_not_trained(store, make_consumer):
+    Manager(store, started_at=1.0)
+    consumer, worker = make_consumer()
+    for tid in ("p0#0", "p0#1", "p1#0"):
+        worker.send(traj(tid))
+    ids = [consumer.poll(timeout_s=1).trajectory_id for _ in range(3)]
+    consumer.ack(["p0#0"])
+    state = consumer.state(trained=["p0#1"])
+    # Acked, and pending but trained, are recorded; pending untrained (p1#0) is not.
+    assert sorted(t for t, _ in state["consumed"]) == ["p0#0", "p0#1"], ids
+
+
+def test_refuse_counts_against_max_rejections_and_release_forgets_quietly(store, make_consumer):
+    manager = Manager(store, started_at=1.0)
+    failed = []
+    consumer, worker = make_consumer(max_rejections=2,
+                                     on_failed=lambda t, why: failed.append(t.trajectory_id))
+    wrong = Invalid("group-mismatch", "group_size differs")
+    for copy in (1, 2):
+        worker.send(traj("p0#0"))
+        t = consumer.poll(timeout_s=1)
+        consumer.refuse(t, wrong)
+        [note] = manager.received(count=1)
+        assert note.trajectory_id == "p0#0" and note.final == (copy == 2)
+    assert failed == ["p0#0"] and consumer.stats.rejected["group-mismatch"] == 2
+    with pytest.raises(ValueError, match="not returned by poll"):
+        consumer.refuse(t, wrong)
+    # release: nothing is sent, and the next copy is returned again.
+    worker.send(traj("p1#0"))
+    consumer.release(consumer.poll(timeout_s=1).trajectory_id)
+    assert manager.received(0.3) == [] and consumer.pending == []
+    worker.send(traj("p1#0"))
+    assert consumer.poll(timeout_s=1).trajectory_id == "p1#0"
+    assert consumer.stats.released == 1
+
+
+def test_filtered_groups_go_before_acks_and_again_to_a_new_manager(store, make_consumer):
+    old = Manager(store, started_at=1.0)
+    consumer, worker = make_consumer()
+    for tid, seq in (("p0#0", 0), ("p0#1", 0), ("p1#0", 1), ("p1#1", 1)):
+        worker.send(traj(tid, seq=seq))
+    ids = [consumer.poll(timeout_s=1).trajectory_id for _ in range(4)]
+    consumer.version = 7
+    consumer.groups_filtered([("p0", 0), ("p1", 1)])
+    consumer.ack(ids)
+    got = old.received(count=2)
+    assert isinstance(got[0], GroupsFiltered) and got[0].prompt_ids == ("p0", "p1")
+    assert isinstance(got[1], Ack) and got[1].trainer_version == 7
+    assert consumer.stats.groups_filtered == 2
+    # Group 0 settles; a new manager incarnation hears of group 1 only, acks after.
+    worker.send(traj("p2#0", seq=2, settled=1))
+    consumer.poll(timeout_s=1)
+    old.stop()
+    new = Manager(store, started_at=2.0)
+    assert consumer.poll(timeout_s=0.3) is None
+    got = new.received(count=2)
+    assert isinstance(got[0], GroupsFiltered) and got[0].prompt_ids == ("p1",), got
+    assert sorted(got[1].trajectory_ids) == ["p1#0", "p1#1"]
+
+
+def test_settling_from_another_thread_while_one_polls(store, make_consumer):
+    """The built-in trainer polls on a receive thread and acks, checkpoints and files
+    filtered groups from its training thread: every id is returned once, every ack
+    arrives, nothing raises."""
+    import threading
+
+    manager = Manager(store, started_at=1.0)
+    consumer, worker = make_consumer()
+    n = 400
+    got: list[str] = []
+    done = threading.Event()
+
+    def poller():
+        while len(got) < n and not done.is_set():
+            t = consumer.poll(timeout_s=0.05)
+            if t is not None:
+                got.append(t.trajectory_id)
+
+    thread = threading.Thread(target=poller)
+    thread.start()
+    for i in range(n):
+        worker.send(traj(f"p{i}#0", seq=i))
+        if i % 2:
+            worker.send(traj(f"p{i}#0", seq=i))  # a copy
+    acked: list[str] = []
+    deadline = time.monotonic() + 20
+    while len(acked) < n and time.monotonic() < deadline:
+        batch = got[len(acked):]
+        consumer.state(trained=batch)
+        consumer.ack(batch)
+        acked += batch
+        time.sleep(0.005)
+    done.set()
+    thread.join(5)
+    assert sorted(got) == sorted(f"p{i}#0" for i in range(n)), "an id twice or missing"
+    sent = [t for m in manager.received(count=1, timeout_s=2) if isinstance(m, Ack)
+            for t in m.trajectory_ids]
+    assert set(sent) == set(acked) and len(acked) == n

@@ -294,7 +294,7 @@ def _run_service(cfg: TrainerConfig, prompts: str) -> TrainerService:
                          coordinator=InMemoryCoordinator(InMemoryEtcd(), cfg.job))
     svc.start()
     try:
-        sender = ZmqPushSender(svc.receiver.endpoint)
+        sender = ZmqPushSender(svc.consumer.endpoint)
         for t in [t for p in prompts for t in _trajs(p)]:
             sender.send(t)
         sender.close()

@@ -1,9 +1,11 @@
 """The trainer (``laminar-trainer run``): streaming GRPO on finished trajectories.
 
-Owns the experience buffer, the model and optimizer, the step loop, weight
-publishing and checkpoints. It registers in etcd (role ``trainer``) with the
-address of its trajectory PULL socket, so workers find it and re-send their
-unacked outboxes when it (re)appears.
+A composition root: the trajectory door (:class:`~laminar_common.consume.
+TrajectoryConsumer`, the same one a custom trainer uses: it registers the
+``trainer`` member, checks every trajectory, drops copies by id, and sends acks,
+rejections and filtered groups to the manager), the experience buffer, a policy
+backend (:mod:`.backend`: the model and optimizer, or a simulated step), the
+step loop, the weight publisher and checkpoints.
 
 Per step: wait until ``batch_groups`` complete groups are buffered (never a
 whole rollout batch; with ``buffer.dynamic_sampling`` only informative groups
@@ -36,7 +38,6 @@ summary's ``tracker_errors`` and never stops training.
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
@@ -49,23 +50,17 @@ from pathlib import Path
 import torch
 import yaml
 
-from laminar_common.codec import Ack, GroupsFiltered, Trajectory, TrajectoryRejected
+from laminar_common.codec import Trajectory
 from laminar_common.config import dump_config
-from laminar_common.consume.validation import (
-    REASONS,
-    STALE_AFTER_RESUME,
-    Invalid,
-    check_trajectory,
-)
+from laminar_common.consume.consumer import TrajectoryConsumer
+from laminar_common.consume.validation import REASONS, STALE_AFTER_RESUME, Invalid
 from laminar_common.data.provenance import StepRecordWriter
-from laminar_common.errors import LaminarError, TransportError
+from laminar_common.errors import LaminarError
 from laminar_common.etcd import make_coordinator
-from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.roles import Extra, Role, State
 from laminar_common.service import Service
 from laminar_common.status import StatusWriter
-from laminar_common.transport import PullReceiver, PushSender, make_pull_receiver, make_push_sender
 
 from .backend import make_backend
 from .buffer import Added, ConsumedIds, ExperienceBuffer, Group
@@ -83,7 +78,6 @@ from .publisher import Snapshot, WeightPublisher
 from .samples import SampleLogger
 from .step import StepResult, trajectory_metrics
 from .tracking import MultiTracker, make_trackers
-from .version import __version__
 
 __all__ = ["TrainerService"]
 
@@ -134,18 +128,16 @@ class TrainerService(Service):
             capacity=config.buffer.capacity, policy=config.buffer.policy,
             max_staleness=config.buffer.max_staleness, stale_action=config.buffer.stale_action,
             downweight=config.buffer.downweight, dynamic_sampling=config.buffer.dynamic_sampling)
-        self.receiver: PullReceiver | None = None
+        self.consumer: TrajectoryConsumer | None = None
+        """The trajectory door (built in ``_start``, after the initial publish)."""
+        self._restored: dict | None = None
+        """The consumer state of the checkpoint resumed from."""
         self.publisher: WeightPublisher | None = None
         self.metrics: MetricsServer | None = None
         self.trackers = MultiTracker()
         self.samples: SampleLogger | None = None
         self._curve = config.auth.curve()
         self._last_metrics: dict = {}
-        self._acker: PushSender | None = None
-        self._acker_key: tuple[str, float] | None = None
-        self._manager_rec: MemberRecord | None = None
-        """The newest manager record seen by the watch (acks never look it up in etcd)."""
-        self._manager_changed = threading.Event()
         self.status: StatusWriter | None = None
         self.ended_early: str | None = None
         """Why the run ended before ``total_steps`` (``on_data_exhausted: finish``)."""
@@ -155,17 +147,11 @@ class TrainerService(Service):
         resumed version reached them) are refused and generated again, whatever the
         buffer's policy."""
         self.refused_stale_resume = 0
-        self.rejected: dict[str, int] = dict.fromkeys(REASONS, 0)
-        """Trajectories refused by content, by reason."""
-        self._reject_counts: dict[str, int] = {}
-        self._rejections_now: list[TrajectoryRejected] = []
-        self._rejections_durable: list[TrajectoryRejected] = []
         self.nonfinite_steps = 0
         self._last_checkpoint_step = 0
         self._unacked: list[str] = []
-        self._reack: set[str] = set()
-        self._reack_lock = threading.Lock()
-        self._last_reack = 0.0
+        """Ids consumed by steps (trained, or dropped as stale or filtered) not acked yet:
+        acked after the checkpoint that covers them."""
         self._tokens_consumed = 0
         self._t_first_step: float | None = None
         self._wait_s = 0.0
@@ -187,13 +173,6 @@ class TrainerService(Service):
         """Groups dynamic sampling dropped between the previous step's ``_account`` and
         the latest one's (the step's ``groups_filtered``)."""
         self._filtered_since_step = 0
-        self._filtered_now: list[str] = []
-        """Prompt ids of filtered groups the manager has not been told of yet."""
-        self._filtered_sent: collections.OrderedDict[str, int] = collections.OrderedDict()
-        """Filtered groups (prompt id -> group_seq) told to the manager and not settled
-        below its watermark: told again to a new manager incarnation."""
-        self._filtered_resend = threading.Event()
-        self._filtered_retry_at = 0.0
         self._starved_warn_at = 0
         self.finished = threading.Event()
         self.records: StepRecordWriter | None = None
@@ -202,6 +181,12 @@ class TrainerService(Service):
     def model(self):
         """The policy's model (None for a simulated step)."""
         return self.policy.model
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Trajectories refused by content, by reason (every reason, zeros included)."""
+        got = self.consumer.stats.rejected if self.consumer is not None else {}
+        return {k: got.get(k, 0) for k in REASONS} | dict(got)
 
     @property
     def optimizer(self):
@@ -257,24 +242,35 @@ class TrainerService(Service):
         if self.stopping.is_set():
             return  # a signal while waiting for a relay master: run_forever closes at once
         where = cfg.addresses()
-        self.receiver = make_pull_receiver(cfg.listen or where.tcp(cfg.port), expect=Trajectory,
-                                           auth=self._curve)
-        address = where.advertised(self.receiver.endpoint)  # what workers are told
-        extra = {Extra.STEP: str(self.step), Extra.VERSION: str(self.version), Extra.READY: "1"}
+        extra = {Extra.STEP: str(self.step), Extra.VERSION: str(self.version)}
         if cfg.metrics.port is not None:
             self.metrics = MetricsServer(Role.TRAINER, cfg.job, cfg.trainer_id, self._metrics)
             extra[Extra.METRICS] = self.metrics.start(cfg.metrics.host, cfg.metrics.port,
                                                       where.advertise)
-        self.coordinator.watch_members(self._on_manager, role=Role.MANAGER)
-        self.coordinator.register(MemberRecord(
-            member_id=cfg.trainer_id, role=Role.TRAINER, address=address, host_id=cfg.host, package_version=__version__, extra=extra))
-        log.info("trainer %s ready at %s: step %d, v%d", cfg.trainer_id, address,
+        self.consumer = self._open_door(cfg.listen or where.tcp(cfg.port), where.advertise,
+                                        extra)
+        log.info("trainer %s ready at %s: step %d, v%d", cfg.trainer_id, self.consumer.endpoint,
                  self.step, self.version)
         self.spawn(self._receive_loop, "receive")
         self.spawn(self._train_loop, "train")
 
+    def _open_door(self, listen: str, advertise: str, extra: dict[str, str]) -> TrajectoryConsumer:
+        """The trajectory consumer: registers this trainer (workers push to it from now
+        on), checks each trajectory against the model and this trainer's version, and
+        holds final rejections for the checkpoint that records them."""
+        cfg = self.config
+        door = TrajectoryConsumer(
+            self.coordinator, member_id=cfg.trainer_id, listen=listen, advertise_host=advertise,
+            host_id=cfg.host, auth=self._curve, vocab_size=self.policy.vocab_size,
+            max_rejections=cfg.max_rejections, state=self._restored, extra=extra,
+            temperature=cfg.temperature, version_bound=lambda: self.version,
+            hold_final_rejections=bool(cfg.checkpoint.dir), on_failed=self.buffer.fail)
+        door.step, door.version = self.step, self.version
+        return door
+
     def _metrics(self) -> list[Metric]:
         b, pub, last = self.buffer.stats, self.publisher.stats, self._last_metrics
+        door = self.consumer.stats if self.consumer is not None else None
         return [
             Metric("steps_total", "counter", "optimizer steps", self.step),
             Metric("weight_version", "gauge", "version of the trainer's weights", self.version),
@@ -294,9 +290,11 @@ class TrainerService(Service):
             Metric("groups_filtered_total", "counter",
                    "groups dropped by dynamic sampling (all rewards equal)", b.filtered),
             Metric("buffer_trajectories", "gauge", "trajectories buffered", len(self.buffer)),
-            Metric("buffer_received_total", "counter", "trajectories received", b.received),
+            Metric("buffer_received_total", "counter", "trajectories received (every copy)",
+                   door.received if door else 0),
             Metric("buffer_refused_total", "counter", "trajectories refused", labels=("reason",),
-                   values={("duplicate",): b.duplicates, ("consumed",): b.already_consumed,
+                   values={("duplicate",): door.duplicates - door.reacked if door else 0,
+                           ("consumed",): door.reacked if door else 0,
                            ("full",): b.dropped_full, ("stale",): b.dropped_stale}),
             Metric("staleness_trajectories", "gauge", "consumed trajectories by staleness",
                    labels=("versions",),
@@ -315,8 +313,8 @@ class TrainerService(Service):
                    pub.stall_s[-1] if pub.stall_s else 0.0),
             Metric("rejected_frames_total", "counter", "frames refused by the trajectory socket",
                    labels=("reason",),
-                   values={(k,): v for k, v in self.receiver.stats.rejected.items()}
-                   if self.receiver else {}),
+                   values={(k,): v for k, v in self.consumer.transport_stats.rejected.items()}
+                   if self.consumer else {}),
         ]
 
     def _close(self) -> None:
@@ -329,12 +327,10 @@ class TrainerService(Service):
             # A publish in flight is given a moment, not its whole retry budget: with no
             # relay reachable a stop must not hang (the next trainer publishes anew).
             self.publisher.close(timeout_s=5)
+        if self.consumer is not None:
+            self.consumer.close(timeout_s=5)  # what is queued for the manager goes first
         if self.coordinator is not None:
             self.coordinator.close()
-        if self.receiver is not None:
-            self.receiver.close()
-        if self._acker is not None:
-            self._acker.close(linger_s=5)
 
     # -- model ------------------------------------------------------------------
 
@@ -352,6 +348,10 @@ class TrainerService(Service):
             self.buffer.consumed = ConsumedIds(state.consumed, state.consumed_seqs,
                                                state.settled_below)
             self.buffer.consumed.failed.update(state.failed or {})
+            self._restored = {"consumed": list(zip(state.consumed, state.consumed_seqs or
+                                                   [-1] * len(state.consumed))),
+                              "settled_below": state.settled_below,
+                              "failed": dict(state.failed or {})}
             # The logs go back to the checkpoint with the weights: steps after it are
             # trained again (by other ids, or the same ones re-sent) and logged again.
             self._truncate_log("consumed.jsonl", self.step)
@@ -418,53 +418,38 @@ class TrainerService(Service):
 
     def _receive_loop(self) -> None:
         while not self.stopping.is_set():
-            msg = self.receiver.recv(timeout_s=0.1)
-            if msg is None:
-                continue
-            invalid = check_trajectory(msg, self.policy.vocab_size, self.version,
-                                       self.config.temperature)
-            known = self.buffer.known(msg) if invalid is None or \
-                invalid.reason != "bad-group" else None
-            if known is Added.CONSUMED:
-                failed = self.buffer.consumed.failed.get(msg.trajectory_id)
-                with self._reack_lock:
-                    if failed is not None:
-                        # Given up on before this copy came: say so again (the first
-                        # notice may have found no ledger entry yet), never ack it.
-                        self._rejections_durable.append(TrajectoryRejected(
-                            trajectory_id=msg.trajectory_id, worker_id=msg.worker_id,
-                            reason=failed, final=True, trainer_step=self.step))
-                    else:
-                        # A copy of something trained already (its ack was lost with a
-                        # manager, or it was generated twice): ack it again once durable.
-                        self._reack.add(msg.trajectory_id)
-                continue
-            if known is Added.DUPLICATE:
-                continue
-            if invalid is not None:
-                self._reject(msg, invalid)
-                continue
-            if msg.policy_version < self._resume_floor:
-                self._refuse_stale_after_resume(msg)
-                continue
-            added = self.buffer.add(msg)
-            if added is Added.YES:
-                self._reject_counts.pop(msg.trajectory_id, None)
-            elif added is Added.CONSUMED:
-                # A copy of something trained already (its ack was lost with a
-                # manager, or it was generated twice): ack it again once durable.
-                with self._reack_lock:
-                    self._reack.add(msg.trajectory_id)
-            elif added is Added.MISMATCH:
-                self._reject(msg, Invalid("group-mismatch", f"trajectory {msg.trajectory_id!r} "
-                                          f"from worker {msg.worker_id!r}: group_size "
-                                          f"{msg.group_size} differs from its group's"))
-            elif added is Added.FULL:
-                # Backpressure: not acked, so the worker pushes it again later.
-                n = self.buffer.stats.dropped_full
-                if n == 1 or n % 100 == 0:
-                    log.info("buffer full (%d refused so far): %s refused; its worker pushes "
-                             "it again", n, msg.trajectory_id)
+            traj = self.consumer.poll(timeout_s=0.1)
+            if traj is not None:
+                self._take_in(traj)
+
+    def _take_in(self, traj: Trajectory) -> None:
+        """A trajectory past the door (checked, each id once): into the buffer, or back
+        to the door (refused, or released when the buffer is full)."""
+        if traj.policy_version < self._resume_floor:
+            self._refuse_stale_after_resume(traj)
+            return
+        added = self.buffer.add(traj)
+        if added is Added.YES:
+            return
+        tid = traj.trajectory_id
+        if added is Added.FULL:
+            # Backpressure: not acked, so the worker pushes it again later.
+            self.consumer.release(tid)
+            n = self.buffer.stats.dropped_full
+            if n == 1 or n % 100 == 0:
+                log.info("buffer full (%d refused so far): %s refused; its worker pushes "
+                         "it again", n, tid)
+        elif added is Added.MISMATCH:
+            self.consumer.refuse(traj, Invalid(
+                "group-mismatch", f"trajectory {tid!r} from worker {traj.worker_id!r}: "
+                                  f"group_size {traj.group_size} differs from its group's"))
+        else:
+            # Its sample slot is held under another id (or the buffer counts the id as
+            # consumed while the door did not): wrong group fields, refused by content.
+            self.consumer.refuse(traj, Invalid(
+                "group-mismatch", f"trajectory {tid!r} from worker {traj.worker_id!r}: "
+                                  f"sample {traj.sample_index} of prompt {traj.prompt_id!r} "
+                                  f"is {added.value} under another id"))
 
     def _refuse_stale_after_resume(self, traj: Trajectory) -> None:
         """A trajectory from weights older than the resumed version allows (see
@@ -478,31 +463,9 @@ class TrainerService(Service):
                         self._resume_floor + self.config.buffer.max_staleness,
                         self.config.buffer.max_staleness, n, traj.trajectory_id,
                         traj.policy_version)
-        note = TrajectoryRejected(
-            trajectory_id=traj.trajectory_id, worker_id=traj.worker_id, final=False,
-            reason=f"{STALE_AFTER_RESUME}: generated by v{traj.policy_version}, older than "
-                   f"v{self._resume_floor}", trainer_step=self.step)
-        with self._reack_lock:
-            self._rejections_now.append(note)
-
-    def _reject(self, traj: Trajectory, invalid: Invalid) -> None:
-        """Refuse a trajectory by content: count and log it; the manager has it generated
-        again, or after ``max_rejections`` copies it is given up on (once durable)."""
-        self.rejected[invalid.reason] += 1
-        tid = traj.trajectory_id
-        n = self._reject_counts[tid] = self._reject_counts.get(tid, 0) + 1
-        final = n >= self.config.max_rejections
-        log.warning("rejected %s (copy %d of at most %d): %s", tid, n,
-                    self.config.max_rejections, invalid)
-        note = TrajectoryRejected(trajectory_id=tid, worker_id=traj.worker_id,
-                                  reason=str(invalid), final=final, trainer_step=self.step)
-        with self._reack_lock:
-            if final:
-                self._reject_counts.pop(tid, None)
-                self.buffer.fail(traj, str(invalid))
-                self._rejections_durable.append(note)
-            else:
-                self._rejections_now.append(note)
+        self.consumer.reject(traj.trajectory_id, final=False,
+                             reason=f"{STALE_AFTER_RESUME}: generated by v{traj.policy_version}, "
+                                    f"older than v{self._resume_floor}")
 
     def _train_loop(self) -> None:
         self._train_steps()
@@ -598,7 +561,7 @@ class TrainerService(Service):
         while not self.buffer.wait_ready(n_groups, timeout_s=0.2):
             if self.stopping.is_set():
                 return False
-            self._flush_reacks()
+            self._note_filtered()
             self._warn_if_starved()
             now = time.monotonic()
             if now - said_at >= WAIT_REASON_EVERY_S:
@@ -754,13 +717,14 @@ class TrainerService(Service):
         ids = [t.trajectory_id for t in trajs]
         # The manager hears of filtered groups before their acks (one ordered socket):
         # it credits a group only while it still knows it.
-        self._flush_filtered()
+        self._note_filtered()
         # Too stale, or filtered: consumed untrained, acked all the same.
         dropped = self.buffer.pop_dropped()
         self._filtered_last_step, self._filtered_since_step = self._filtered_since_step, 0
         self._starved_warn_at = 0
         self._tokens_consumed += result.tokens
         self._log_consumed(ids, dropped)
+        self.consumer.step, self.consumer.version = self.step, self.version
         self._unacked.extend(ids + dropped)
 
     def _maybe_checkpoint_or_ack(self) -> None:
@@ -771,7 +735,6 @@ class TrainerService(Service):
             self._checkpoint()
         elif not cfg.checkpoint.dir:
             self._ack()
-        self._flush_rejections()
 
     def _step_metrics(self, trajs: list[Trajectory], result: StepResult, consume_version: int,
                       train_s: float, waited: float, stall: float) -> dict:
@@ -881,139 +844,34 @@ class TrainerService(Service):
 
     def _checkpoint(self) -> None:
         t0 = time.monotonic()
-        with self._reack_lock:  # the receive thread adds failed ids under this lock
-            kept, watermark, failed = self.buffer.consumed_state()
-            durable = list(self._rejections_durable)
+        # Taken atomically against the receive thread: ids polled but not trained yet
+        # stay out (their workers send them again to a resumed trainer).
+        door = self.consumer.state(trained=self._unacked)
+        kept = door["consumed"]
         state = TrainerState(self.step, self.version, [i for i, _ in kept], self.config.seed,
-                             consumed_seqs=[q for _, q in kept], settled_below=watermark,
-                             failed=failed)
+                             consumed_seqs=[q for _, q in kept],
+                             settled_below=door["settled_below"], failed=door["failed"])
         self.policy.checkpoint(state)
         log.info("checkpoint at step %d in %.2fs", self.step, time.monotonic() - t0)
         self._last_checkpoint_step = self.step
-        self._ack(durable)
+        self._ack()
 
-    def _ack(self, durable: list[TrajectoryRejected] | None = None) -> None:
-        """Everything consumed is durable now (checkpointed, or no checkpoints): ack it,
-        with the final rejections that are durable (all of them without checkpoints)."""
-        with self._reack_lock:
-            if durable is None:
-                durable = list(self._rejections_durable)
-            self._rejections_durable = [r for r in self._rejections_durable
-                                        if r not in durable]
-        for i, note in enumerate(durable):
-            if not self._send_message(note):
-                with self._reack_lock:
-                    self._rejections_durable.extend(durable[i:])
-                break
-        with self._reack_lock:
-            reack, self._reack = self._reack, set()
-        ids = self._unacked + sorted(reack - set(self._unacked))
-        if ids and self._send_acks(ids):
-            self._unacked = []
-        elif ids:
-            with self._reack_lock:
-                self._reack |= reack
+    def _ack(self) -> None:
+        """Everything consumed is durable now (checkpointed, or no checkpoints): ack it
+        (with the final rejections the checkpoint recorded; the door re-sends what a
+        manager did not take)."""
+        self.consumer.step, self.consumer.version = self.step, self.version
+        ids, self._unacked = self._unacked, []
+        self.consumer.ack(ids)
 
-    def _flush_rejections(self) -> None:
-        """Tell the manager now about copies to generate again (nothing durable in them)."""
-        with self._reack_lock:
-            notes, self._rejections_now = self._rejections_now, []
-        for i, note in enumerate(notes):
-            if not self._send_message(note):
-                with self._reack_lock:
-                    self._rejections_now[:0] = notes[i:]
-                return
-
-    _FILTERED_KEEP = 10_000
-    """Most filtered groups remembered for a new manager incarnation."""
-
-    def _flush_filtered(self) -> None:
-        """Tell the manager at once of groups dynamic sampling dropped, so it generates
-        as many more (nothing durable in it: it credits each group once, however often
-        told); to a new manager incarnation, every one not settled below the watermark."""
-        for prompt_id, seq in self.buffer.pop_filtered():
-            self._filtered_since_step += 1
-            self._filtered_now.append(prompt_id)
-            self._filtered_sent[prompt_id] = seq
-            self._filtered_sent.move_to_end(prompt_id)
-        watermark = self.buffer.consumed.watermark
-        while self._filtered_sent and (
-                len(self._filtered_sent) > self._FILTERED_KEEP
-                or 0 <= next(iter(self._filtered_sent.values())) < watermark):
-            self._filtered_sent.popitem(last=False)
-        if self._filtered_resend.is_set():
-            self._filtered_resend.clear()
-            self._filtered_now = [p for p, seq in self._filtered_sent.items()
-                                  if not 0 <= seq < watermark]
-        if not self._filtered_now or time.monotonic() < self._filtered_retry_at:
-            return
-        note = GroupsFiltered(prompt_ids=tuple(self._filtered_now), trainer_step=self.step)
-        if self._send_message(note, f"{len(self._filtered_now)} filtered-group notices"):
-            self._filtered_now = []
-        else:
-            self._filtered_retry_at = time.monotonic() + 1.0
-
-    def _flush_reacks(self) -> None:
-        """While waiting for data: tell the manager of filtered groups (at once), and
-        ack again the copies whose first ack is durable."""
-        self._flush_filtered()
-        now = time.monotonic()
-        if now - self._last_reack < 1.0:
-            return
-        self._last_reack = now
-        self._flush_rejections()
-        if not self.config.checkpoint.dir:
-            self._ack()  # final rejections arrived while waiting: durable at once
-        pending = set(self._unacked)
-        with self._reack_lock:
-            ready = sorted(self._reack - pending)
-            self._reack &= pending
-        if ready and not self._send_acks(ready):
-            with self._reack_lock:
-                self._reack.update(ready)
-
-    def _on_manager(self, event: MembershipEvent) -> None:
-        rec = event.record
-        if event.kind == "put" and rec is not None:
-            self._manager_rec = rec
-            if rec.incarnation != self._acker_key:
-                self._manager_changed.set()
-                self._filtered_resend.set()
-
-    def _send_acks(self, ids: list[str]) -> bool:
-        """Send durable acks to the manager; False (logged) if they must wait."""
-        return self._send_message(Ack(trajectory_ids=tuple(ids), trainer_step=self.step,
-                                      trainer_version=self.version), f"{len(ids)} acks")
-
-    def _send_message(self, msg: Ack | TrajectoryRejected | GroupsFiltered,
-                      what: str = "a rejection") -> bool:
-        """Send to the manager's ack socket; False (logged) if it must wait. The manager's
-        address comes from the membership watch: this never waits on etcd."""
-        if self._manager_changed.is_set():
-            # A restarted manager: acks go to its new address (those sent to the
-            # old one are lost; the copies it dispatches again are acked again).
-            # Cleared before the lookup, so a change seen meanwhile is not lost.
-            self._manager_changed.clear()
-            self._drop_acker()
-        if self._acker is None:
-            rec = self._manager_rec
-            if rec is None:
-                log.warning("no manager registered: %s wait", what)
-                return False
-            self._acker = make_push_sender(rec.extra[Extra.ACK], send_timeout_s=10, auth=self._curve)
-            self._acker_key = rec.incarnation
-        try:
-            self._acker.send(msg)
-            return True
-        except TransportError as exc:
-            log.warning("acks to the manager failed (will retry, looking it up again): %s", exc)
-            self._drop_acker()
-            return False
-
-    def _drop_acker(self) -> None:
-        if self._acker is not None:
-            self._acker.close(linger_s=0)
-            self._acker = None
+    def _note_filtered(self) -> None:
+        """Tell the manager at once of groups dynamic sampling dropped, so it generates as
+        many more (nothing durable in it: it credits each group once, however often
+        told; the door tells a new manager incarnation again)."""
+        groups = self.buffer.pop_filtered()
+        if groups:
+            self._filtered_since_step += len(groups)
+            self.consumer.groups_filtered(groups)
 
     def _pass_text(self) -> str:
         k = self.config.eval.samples
@@ -1082,6 +940,8 @@ class TrainerService(Service):
             "reward_errors": self.buffer.stats.reward_errors,
             "uniform_steps": self._uniform_steps_total,
             "rejected": {k: v for k, v in self.rejected.items() if v},
+            "door": vars(self.consumer.stats) | {"rejected": dict(self.consumer.stats.rejected)}
+            if self.consumer is not None else {},
             "refused_stale_after_resume": self.refused_stale_resume,
             "ended_early": self.ended_early,
             "nonfinite_steps": self.nonfinite_steps,

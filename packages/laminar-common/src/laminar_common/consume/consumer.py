@@ -29,9 +29,25 @@ Exactly-once, as the built-in trainer keeps it:
   predate them). Ids of groups below the manager's watermark (``settled_below``,
   carried by every trajectory) are forgotten, so memory stays flat.
 
-Threading: a consumer belongs to the thread that calls :meth:`poll`, :meth:`ack`
-and :meth:`reject`; the membership watch only records the newest manager
-record and latest weight version.
+What Laminar's own trainer adds, each an option of the same door:
+
+- ``hold_final_rejections``: a final rejection waits until the checkpoint that
+  records the id as failed (:meth:`~TrajectoryConsumer.state`, then
+  :meth:`~TrajectoryConsumer.ack`), as acks do, so that a trainer restored from
+  an older checkpoint never trains an id the manager was told it gave up on.
+- :meth:`~TrajectoryConsumer.refuse` (a polled trajectory the caller finds wrong:
+  counted against ``max_rejections`` like a refusal at the door),
+  :meth:`~TrajectoryConsumer.release` (not taken now: its worker sends it again,
+  e.g. a full buffer) and :meth:`~TrajectoryConsumer.groups_filtered` (groups the
+  caller dropped as uninformative: the manager generates as many more; told again
+  to a new manager incarnation).
+- ``on_failed`` hears of every id given up on for good (a buffer completes its
+  group without it); ``version_bound`` and ``temperature`` tighten the checks.
+
+Threading: :meth:`poll` belongs to one thread; :meth:`ack`, :meth:`reject`,
+:meth:`refuse`, :meth:`release`, :meth:`groups_filtered` and :meth:`state` may be
+called from another (a training thread) and are atomic against it. The
+membership watch only records the newest manager record and latest weight version.
 
 :class:`ConsumedIds` and :func:`check_trajectory` are torch-free and public, so a
 trainer built on :class:`TrajectoryConsumer` and Laminar's own trainer can share
@@ -45,12 +61,12 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from laminar_common.auth import CurveAuth
-from laminar_common.codec import Ack, Trajectory, TrajectoryRejected
+from laminar_common.codec import Ack, GroupsFiltered, Trajectory, TrajectoryRejected
 from laminar_common.consume.consumed import ConsumedIds
 from laminar_common.consume.validation import Invalid, check_trajectory
 from laminar_common.errors import LaminarError, TransportError
@@ -77,6 +93,8 @@ _SLICE_S = 0.1
 _SEND_TIMEOUT_S = 2.0
 _RETRY_S = 1.0
 _MAX_IDS_PER_ACK = 4096
+_FILTERED_KEEP = 10_000
+"""Most filtered groups remembered for a new manager incarnation."""
 
 
 # -- the consumer ----------------------------------------------------------------
@@ -102,6 +120,10 @@ class ConsumerStats:
     """Ids refused through :meth:`~TrajectoryConsumer.reject`."""
     acked: int = 0
     """Ids passed to :meth:`~TrajectoryConsumer.ack`."""
+    released: int = 0
+    """Ids handed back through :meth:`~TrajectoryConsumer.release` (sent again later)."""
+    groups_filtered: int = 0
+    """Groups named to :meth:`~TrajectoryConsumer.groups_filtered`."""
     acks_sent: int = 0
     """Ids sent to a manager in acks (re-sends included)."""
     manager_switches: int = 0
@@ -137,6 +159,14 @@ class TrajectoryConsumer:
         extra: more ``MemberRecord.extra`` fields (e.g. ``Extra.METRICS``).
         owns_coordinator: close the coordinator on :meth:`close` (its lease
             goes, and the trainer record with it).
+        temperature: the one sampling temperature accepted (None: any positive).
+        version_bound: the newest weight version a trajectory may claim (e.g. the
+            trainer's own); default: the newest published, from the watch.
+        hold_final_rejections: send a final rejection only with the first
+            :meth:`ack` after a :meth:`state` that records it (checkpointed
+            trainers); False sends it at once.
+        on_failed: called with a trajectory and the reason when its id is given
+            up on for good (on the polling thread, before :meth:`poll` returns).
 
     Raises:
         TransportError: ``listen`` cannot be bound.
@@ -149,18 +179,37 @@ class TrajectoryConsumer:
                  vocab_size: int | None = None, max_rejections: int = 3,
                  state: Mapping[str, Any] | None = None,
                  extra: Mapping[str, str] | None = None,
-                 owns_coordinator: bool = False) -> None:
+                 owns_coordinator: bool = False, temperature: float | None = None,
+                 version_bound: Callable[[], int | None] | None = None,
+                 hold_final_rejections: bool = False,
+                 on_failed: Callable[[Trajectory, str], None] | None = None) -> None:
         if max_rejections < 1:
             raise ValueError(f"max_rejections must be >= 1, got {max_rejections}")
         self.coordinator = coordinator
         self.member_id = member_id
         self.step = 0
         """Your training step; stamped on acks and rejections (the manager logs it)."""
+        self.version: int | None = None
+        """Your weights' version, stamped on acks (None: the newest published)."""
         self.stats = ConsumerStats()
         self._auth = auth
         self._vocab_size = vocab_size
         self._max_rejections = max_rejections
         self._owns_coordinator = owns_coordinator
+        self._temperature = temperature
+        self._bound = version_bound
+        self._hold = hold_final_rejections
+        self._on_failed = on_failed
+        self._lock = threading.RLock()
+        self._held: list[TrajectoryRejected] = []
+        """Final rejections waiting for a checkpoint (``hold_final_rejections``)."""
+        self._held_ids: set[str] = set()
+        self._covered = 0
+        """How many of ``_held`` the latest :meth:`state` recorded."""
+        self._filtered_new: list[str] = []
+        self._filtered_sent: collections.OrderedDict[str, int] = collections.OrderedDict()
+        """Filtered groups (prompt id -> group_seq) told to the manager and not settled
+        below its watermark: told again to a new manager incarnation."""
         self._consumed = _restore(state) if state is not None else ConsumedIds()
         self._pending: dict[str, tuple[str, int]] = {}
         """Returned by poll, not yet acked or rejected: id -> (worker, group_seq)."""
@@ -232,7 +281,8 @@ class TrajectoryConsumer:
                 min(_SLICE_S, max(0.0, deadline - time.monotonic()))
             msg = self._receiver.recv(timeout_s=wait)
             if msg is not None:
-                out = self._admit(msg)
+                with self._lock:
+                    out = self._admit(msg)
                 if out is not None:
                     return out
             if deadline is not None and time.monotonic() >= deadline:
@@ -242,7 +292,8 @@ class TrajectoryConsumer:
     def _admit(self, traj: Trajectory) -> Trajectory | None:
         self.stats.received += 1
         tid = traj.trajectory_id
-        invalid = check_trajectory(traj, self._vocab_size, self._version_bound(traj))
+        invalid = check_trajectory(traj, self._vocab_size, self._version_bound(traj),
+                                   self._temperature)
         # A broken copy of an id already held never counts against that id; but a
         # trajectory whose watermark is wrong must not move ours.
         if invalid is None or invalid.reason != "bad-group":
@@ -252,8 +303,9 @@ class TrajectoryConsumer:
                 failed = self._consumed.failed.get(tid)
                 if failed is not None:
                     # Given up on already: say so again (the first notice may have found
-                    # no ledger entry), never ack it.
-                    self._notes.append(self._note(tid, traj.worker_id, failed, final=True))
+                    # no ledger entry), never ack it; a held notice goes out when durable.
+                    if tid not in self._held_ids:
+                        self._notes.append(self._note(tid, traj.worker_id, failed, final=True))
                 elif tid not in self._pending:
                     # A copy of something acked (its ack was lost with a manager, or it
                     # was generated twice): ack it again so that its worker drops it.
@@ -264,14 +316,16 @@ class TrajectoryConsumer:
             self._refuse(traj, invalid)
             return None
         self._consumed.add(tid, traj.group_seq)
+        # Its refusal count stays until it is acked: refuse() after poll counts on.
         self._pending[tid] = (traj.worker_id, traj.group_seq)
-        self._reject_counts.pop(tid, None)
         self.stats.delivered += 1
         return traj
 
     def _version_bound(self, traj: Trajectory) -> int | None:
         """The newest published version, from the watch; read from etcd (at most once a
         second) only when a trajectory claims a newer one than the watch has shown."""
+        if self._bound is not None:
+            return self._bound()
         if self._latest is not None and traj.policy_version <= self._latest:
             return self._latest
         now = time.monotonic()
@@ -293,26 +347,48 @@ class TrajectoryConsumer:
         final = n >= self._max_rejections
         log.warning("rejected %s (copy %d of at most %d): %s", tid, n, self._max_rejections,
                     invalid)
-        if final:
-            self._reject_counts.pop(tid, None)
-            self._consumed.add(tid, traj.group_seq)
-            if tid in self._consumed:
-                self._consumed.failed[tid] = str(invalid)
-            self.stats.failed += 1
-        self._notes.append(self._note(tid, traj.worker_id, str(invalid), final))
+        note = self._note(tid, traj.worker_id, str(invalid), final)
+        if not final:
+            self._notes.append(note)
+            return
+        self._reject_counts.pop(tid, None)
+        self._consumed.add(tid, traj.group_seq)
+        if tid in self._consumed:
+            self._consumed.failed[tid] = str(invalid)
+        self.stats.failed += 1
+        self._final(note)
+        if self._on_failed is not None:
+            self._on_failed(traj, str(invalid))
+
+    def _final(self, note: TrajectoryRejected) -> None:
+        """Queue a final rejection: at once, or held for the next checkpoint."""
+        if self._hold:
+            self._held.append(note)
+            self._held_ids.add(note.trajectory_id)
+        else:
+            self._notes.append(note)
 
     # -- settling ----------------------------------------------------------------
 
     def ack(self, trajectory_ids: Iterable[str]) -> None:
         """These ids are consumed, durably for you: the manager counts them done.
 
-        Sent at once when the manager is reachable, else as soon as it is.
+        Sent at once when the manager is reachable, else as soon as it is. With
+        ``hold_final_rejections``, the final rejections the latest :meth:`state`
+        recorded go first.
         """
-        for tid in trajectory_ids:
-            self._pending.pop(tid, None)
-            self._to_ack[tid] = None
-            self.stats.acked += 1
-        self.flush()
+        with self._lock:
+            if self._covered:
+                durable, self._held = self._held[:self._covered], self._held[self._covered:]
+                self._covered = 0
+                self._held_ids.difference_update(n.trajectory_id for n in durable)
+                self._notes.extend(durable)
+            for tid in trajectory_ids:
+                self._pending.pop(tid, None)
+                self._reject_counts.pop(tid, None)
+                self._to_ack[tid] = None
+                self.stats.acked += 1
+            self.flush()
 
     def reject(self, trajectory_id: str, reason: str, final: bool = False) -> None:
         """Refuse a trajectory :meth:`poll` returned instead of acking it.
@@ -324,20 +400,71 @@ class TrajectoryConsumer:
         Raises:
             ValueError: the id is not one :meth:`poll` returned and not yet settled.
         """
+        with self._lock:
+            worker, _ = self._unsettle(trajectory_id)
+            note = self._note(trajectory_id, worker, reason, final)
+            if final:
+                if trajectory_id in self._consumed:
+                    self._consumed.failed[trajectory_id] = reason
+                self.stats.failed += 1
+                self._final(note)
+            else:
+                self._consumed.discard(trajectory_id)
+                self._notes.append(note)
+            self.stats.caller_rejections += 1
+            self.flush()
+
+    def refuse(self, traj: Trajectory, invalid: Invalid) -> None:
+        """Refuse a trajectory :meth:`poll` returned for its contents, as the door would
+        have: counted by reason, generated again, given up on after ``max_rejections``
+        copies (``on_failed`` is called then).
+
+        Raises:
+            ValueError: the id is not one :meth:`poll` returned and not yet settled.
+        """
+        with self._lock:
+            self._unsettle(traj.trajectory_id)
+            self._consumed.discard(traj.trajectory_id)
+            self._refuse(traj, invalid)
+            self.flush()
+
+    def release(self, trajectory_id: str) -> None:
+        """Hand back a trajectory :meth:`poll` returned, untaken and unrefused (a full
+        buffer): nothing is sent; its worker, still unacked, sends it again and
+        :meth:`poll` returns that copy.
+
+        Raises:
+            ValueError: the id is not one :meth:`poll` returned and not yet settled.
+        """
+        with self._lock:
+            self._unsettle(trajectory_id)
+            self._consumed.discard(trajectory_id)
+            self.stats.released += 1
+
+    def _unsettle(self, trajectory_id: str) -> tuple[str, int]:
         entry = self._pending.pop(trajectory_id, None)
         if entry is None:
             raise ValueError(f"trajectory {trajectory_id!r} was not returned by poll() or is "
                              "acked or rejected already")
-        worker, _ = entry
-        if final:
-            if trajectory_id in self._consumed:
-                self._consumed.failed[trajectory_id] = reason
-            self.stats.failed += 1
-        else:
-            self._consumed.discard(trajectory_id)
-        self.stats.caller_rejections += 1
-        self._notes.append(self._note(trajectory_id, worker, reason, final))
-        self.flush()
+        return entry
+
+    def groups_filtered(self, groups: Iterable[tuple[str, int]]) -> None:
+        """Groups (prompt id, group_seq) dropped untrained as uninformative: the manager
+        generates as many more (it credits each group once, however often told). Sent
+        before the acks of their ids; told again to a new manager incarnation unless
+        settled below its watermark."""
+        with self._lock:
+            for prompt_id, seq in groups:
+                self.stats.groups_filtered += 1
+                self._filtered_new.append(prompt_id)
+                self._filtered_sent[prompt_id] = seq
+                self._filtered_sent.move_to_end(prompt_id)
+            watermark = self._consumed.watermark
+            while self._filtered_sent and (
+                    len(self._filtered_sent) > _FILTERED_KEEP
+                    or 0 <= next(iter(self._filtered_sent.values())) < watermark):
+                self._filtered_sent.popitem(last=False)
+            self.flush()
 
     def _note(self, tid: str, worker: str, reason: str, final: bool) -> TrajectoryRejected:
         return TrajectoryRejected(trajectory_id=tid, worker_id=worker, reason=reason,
@@ -349,12 +476,16 @@ class TrajectoryConsumer:
         A failed send is retried (at most once a second) by the next call;
         :meth:`poll`, :meth:`ack` and :meth:`reject` call this.
         """
+        with self._lock:
+            return self._flush()
+
+    def _flush(self) -> bool:
         if self._manager_changed.is_set():
             # Cleared before the record is read, so a change seen meanwhile is not lost.
             self._manager_changed.clear()
             self._drop_acker()
             self._resettle()
-        if not self._to_ack and not self._notes:
+        if not self._to_ack and not self._notes and not self._filtered_new:
             return True
         now = time.monotonic()
         if now < self._retry_at:
@@ -366,10 +497,17 @@ class TrajectoryConsumer:
             while self._notes:
                 acker.send(self._notes[0])
                 self._notes.pop(0)
+            if self._filtered_new:
+                # Before the acks (one ordered socket): the manager credits a filtered
+                # group only while it still knows it.
+                acker.send(GroupsFiltered(prompt_ids=tuple(self._filtered_new),
+                                          trainer_step=self.step))
+                self._filtered_new = []
+            version = self.version if self.version is not None else self._latest
             while self._to_ack:
                 ids = tuple(itertools.islice(self._to_ack, _MAX_IDS_PER_ACK))
                 acker.send(Ack(trajectory_ids=ids, trainer_step=self.step,
-                               trainer_version=-1 if self._latest is None else self._latest))
+                               trainer_version=-1 if version is None else version))
                 for tid in ids:
                     del self._to_ack[tid]
                 self.stats.acks_sent += len(ids)
@@ -389,9 +527,12 @@ class TrajectoryConsumer:
         for tid in self._consumed:
             if tid not in self._pending and tid not in failed:
                 self._to_ack[tid] = None
-        queued = {n.trajectory_id for n in self._notes}
+        queued = {n.trajectory_id for n in self._notes} | self._held_ids
         self._notes.extend(self._note(tid, "", reason, final=True)
                            for tid, reason in failed.items() if tid not in queued)
+        watermark = self._consumed.watermark
+        self._filtered_new = [p for p, seq in self._filtered_sent.items()
+                              if not 0 <= seq < watermark]
 
     def _ack_sender(self) -> PushSender | None:
         if self._acker is None:
@@ -429,26 +570,43 @@ class TrajectoryConsumer:
     @property
     def pending(self) -> list[str]:
         """Ids :meth:`poll` returned that are not acked or rejected yet."""
-        return list(self._pending)
+        with self._lock:
+            return list(self._pending)
+
+    @property
+    def watermark(self) -> int:
+        """The manager's watermark as the trajectories carried it (-1 before any)."""
+        return self._consumed.watermark
 
     @property
     def transport_stats(self) -> TransportStats:
         """The receiving socket's counters (frames refused by reason)."""
         return self._receiver.stats
 
-    def state(self, untrained: Iterable[str] = ()) -> dict[str, Any]:
+    def state(self, untrained: Iterable[str] = (), *,
+              trained: Iterable[str] | None = None) -> dict[str, Any]:
         """What to save in your checkpoint (JSON-able) to restart without training twice.
 
         Take it when your checkpoint covers every trajectory :meth:`poll` returned
         (name the ones it does not in ``untrained``), save it with the checkpoint,
         then :meth:`ack` them: a trainer restored with ``state=`` acks again what it
         had not acked yet, and never returns those ids again.
+
+        ``trained``: the pending ids the checkpoint covers; every other pending id
+        is left out, decided atomically against a polling thread (a trajectory
+        polled while you checkpoint cannot slip in). Final rejections held
+        (``hold_final_rejections``) until now go out with the next :meth:`ack`.
         """
-        skip = set(untrained)
-        items = [(tid, seq) for tid, seq in self._consumed.items() if tid not in skip]
-        return {"consumed": [[tid, seq] for tid, seq in items],
-                "settled_below": self._consumed.watermark,
-                "failed": {t: r for t, r in self._consumed.failed.items() if t not in skip}}
+        with self._lock:
+            skip = set(untrained)
+            if trained is not None:
+                skip |= set(self._pending) - set(trained)
+            items = [(tid, seq) for tid, seq in self._consumed.items() if tid not in skip]
+            self._covered = len(self._held)
+            return {"consumed": [[tid, seq] for tid, seq in items],
+                    "settled_below": self._consumed.watermark,
+                    "failed": {t: r for t, r in self._consumed.failed.items()
+                               if t not in skip}}
 
     # -- lifecycle ---------------------------------------------------------------
 
