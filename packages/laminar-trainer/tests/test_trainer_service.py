@@ -249,10 +249,10 @@ def test_data_that_runs_out_ends_the_run_or_fails_it_naming_the_cause(
     generate: the starved trainer says so, then ends the run there with its final model
     and summary (finish), or fails at once naming the cause (fail), not after
     wait_timeout_s."""
-    import laminar_trainer.service as service_module
+    import laminar_trainer.feed as feed_module
     from laminar_common.roles import State
 
-    monkeypatch.setattr(service_module, "WAIT_REASON_EVERY_S", 0.3)
+    monkeypatch.setattr(feed_module, "WAIT_REASON_EVERY_S", 0.3)
     h = Harness(tmp_path, model_dir, total_steps=3, on_data_exhausted=action,
                 wait_timeout_s=120)
     h.manager_coord.put_state(State.MANAGER, json.dumps(
