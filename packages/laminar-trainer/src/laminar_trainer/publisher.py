@@ -146,6 +146,34 @@ class WeightPublisher:
         with self._cond:
             return self._pending is None and not self._busy
 
+    def hold(self, step: int, version: Callable[[], int], limit: int, publish_every: int,
+             resend: Callable[[], None], say_every_s: float = 5.0) -> bool:
+        """Wait while the trainer at ``step`` is more than ``limit`` steps
+        (``max_unpublished_steps``, plus the steps between publishes) ahead of the newest
+        version the relays took, saying so on the console; while idle with ``version()``
+        unpublished, ``resend()`` (at most once a second). False if the stop event is set."""
+        allowed = limit + publish_every - 1
+        t0 = said = None
+        resent = 0.0
+        while step - max(self.stats.last_step, 0) > allowed and not self._stop.is_set():
+            now = time.monotonic()
+            if said is None or now - said >= say_every_s:
+                t0, said = t0 or now, now
+                print(f"PAUSED at step {step} for {now - t0:.0f}s: the newest weights the "
+                      f"relays took are v{self.stats.last_version} (step "
+                      f"{self.stats.last_step}), more than max_unpublished_steps={limit} "
+                      "behind; "
+                      "training goes on once publishing recovers (the publisher's warnings "
+                      "say why it fails)", flush=True)
+            if self.idle() and self.stats.last_version < version() and now - resent >= 1.0:
+                resent = now
+                resend()
+            self._stop.wait(0.05)
+        if t0 is not None and not self._stop.is_set():
+            print(f"RESUMED at step {step} after {time.monotonic() - t0:.1f}s paused: "
+                  f"weights v{self.stats.last_version} published", flush=True)
+        return not self._stop.is_set()
+
     def has_newer(self) -> bool:
         """A newer snapshot waits behind the one being sent (a send that keeps failing
         may give its version up for it: ``RelayClient.publish(superseded=...)``)."""
