@@ -836,8 +836,8 @@ def test_a_worker_cut_off_from_the_trainer_has_its_work_done_elsewhere_once(stac
     manager = start_manager(n_prompts=8, group_size=2, worker_timeout_s=1.0)
     cut = start_worker("cut", median=12, max_batch=2)
     start_worker("ok", median=12, max_batch=2)
-    assert _wait(lambda: cut.trainer is not None and manager.ledger.held_by("cut"), 10, trainer)
-    cut.trainer.cut()
+    assert _wait(lambda: cut.outbox.trainer is not None and manager.ledger.held_by("cut"), 10, trainer)
+    cut.outbox.trainer.cut()
     assert _wait(lambda: manager.stats.workers_cut_off == 1, 15, trainer)
     # Everything arrives, the cut worker's share from the other worker.
     want = {f"p{i}#{s}" for i in range(8) for s in range(2)}
@@ -845,7 +845,7 @@ def test_a_worker_cut_off_from_the_trainer_has_its_work_done_elsewhere_once(stac
     assert manager.ledger.held_by("cut") == []
     assert manager.summary()["workers_cut_off"] == 1
     delivered_before_heal = len(trainer.got)
-    cut.trainer.heal()
+    cut.outbox.trainer.heal()
     assert _wait(lambda: cut.counters["trainer_reconnects"] == 1, 10, trainer)
     trainer.pump(0.3)
     # Its outbox came again: copies of ids the trainer already has (refused there by id).
@@ -869,9 +869,9 @@ def test_when_no_worker_reaches_the_trainer_nobody_is_cut_off(stack):
     store, trainer, start_manager, start_worker = stack
     manager = start_manager(n_prompts=8, group_size=2, worker_timeout_s=0.5)
     workers = [start_worker(w, median=12, max_batch=2) for w in ("a", "b")]
-    assert _wait(lambda: all(w.trainer is not None for w in workers), 10, trainer)
+    assert _wait(lambda: all(w.outbox.trainer is not None for w in workers), 10, trainer)
     for w in workers:
-        w.trainer.cut()
+        w.outbox.trainer.cut()
     assert _wait(lambda: all(w.outbox for w in workers), 10, trainer)
     time.sleep(2.0)
     assert manager.stats.workers_cut_off == 0 and manager.stats.workers_lost == 0

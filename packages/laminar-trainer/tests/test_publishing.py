@@ -88,3 +88,21 @@ def test_a_version_that_does_not_fit_the_module_is_a_laminar_error():
     publish_state_dict(client, {"lin.weight": torch.zeros(2, 2)}, 0)
     with pytest.raises(LaminarError, match="weight v0 does not fit Tiny"):
         load_into(Tiny(), client.fetch(0))
+
+
+def test_an_unknown_dtype_names_the_version_and_tensor_and_both_tiers_share_the_reader():
+    """state_dict_from and the rollout's fetcher read versions with the one
+    laminar_common.relay.tensors.tensors_from."""
+    import msgspec
+
+    from laminar_common.errors import ProtocolError
+    from laminar_common.relay.tensors import tensors_from
+
+    client = RecordingClient()
+    publish_state_dict(client, {"a": torch.ones(2), "b": torch.zeros(3)}, 4)
+    manifest, buffer = client.published[4]
+    assert [n for n, _ in tensors_from(client.fetch(4))] == ["a", "b"]
+    bad_spec = msgspec.structs.replace(manifest.tensors[1], dtype="float7")
+    bad = msgspec.structs.replace(manifest, tensors=(manifest.tensors[0], bad_spec))
+    with pytest.raises(ProtocolError, match=r"weight v4: tensor 'b' has unknown dtype 'float7'"):
+        state_dict_from(FetchedWeights(bad, buffer, "shm", "relay-0"))

@@ -183,7 +183,7 @@ def test_after_a_resume_trajectories_older_than_the_bound_are_generated_again(
 
     svc2 = h.start(resume=True)
     try:
-        assert svc2.step == 2 and svc2.version == 3 and svc2._resume_floor == 2
+        assert svc2.step == 2 and svc2.version == 3 and svc2.intake.resume_floor == 2
         stale = [t for p in "ef" for t in _trajs(p, version=0)]
         h.send(svc2, stale * 2)  # and again: still not given up on
         assert _wait(lambda: svc2.refused_stale_resume == 8, 20), svc2.refused_stale_resume

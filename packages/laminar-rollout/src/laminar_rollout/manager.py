@@ -60,6 +60,7 @@ from .ledger import ACKED, DONE, PENDING, TrajectoryLedger
 from .prompts import PromptCursor, check_resume, load_prompt_file
 from .repack import KvLifecycle, WorkerLoad, plan_repack
 from .scheduling import Admission, WorkerView, plan_barrier, plan_dispatch, required_version
+from .telemetry import manager_metrics
 from .version import __version__
 
 __all__ = ["ManagerService"]
@@ -703,61 +704,8 @@ class ManagerService(Service):
     # -- reporting --------------------------------------------------------------
 
     def _metrics(self) -> list[Metric]:
-        st, lc = self.stats, self.ledger.counters
-        return [
-            Metric("trajectories", "gauge", "trajectories by ledger state", labels=("state",),
-                   values={(k,): v for k, v in self.ledger.counts().items()}),
-            Metric("dispatched_total", "counter", "trajectories sent to workers", st.dispatched),
-            Metric("acks_total", "counter", "durable trainer acks received", st.acks),
-            Metric("workers", "gauge", "connected workers", len(self.workers)),
-            Metric("workers_lost_total", "counter", "workers declared dead", st.workers_lost),
-            Metric("repacks_total", "counter", "repack rounds that moved work", st.repacks),
-            Metric("repack_migrated_total", "counter", "trajectories migrated by repack",
-                   st.repack_migrated),
-            Metric("repack_seconds_total", "counter", "time spent planning + commanding repacks",
-                   st.repack_seconds),
-            Metric("migration_seconds_total", "counter",
-                   "export command -> re-dispatch, summed over migrated trajectories",
-                   st.migration_seconds),
-            Metric("recoveries_total", "counter", "lost workers whose work runs again",
-                   len(st.recovery_seconds)),
-            Metric("recovery_seconds_last", "gauge",
-                   "last heard from -> work dispatched again, last lost worker",
-                   st.recovery_seconds[-1] if st.recovery_seconds else 0.0),
-            Metric("resumed_total", "counter", "trajectories resumed from partial tokens",
-                   lc.resumed),
-            Metric("progress_gaps_total", "counter",
-                   "progress continuations that did not meet the tokens held (dropped)",
-                   lc.progress_gaps),
-            Metric("kv_carried_total", "counter",
-                   "migrated trajectories that brought their KV cache (sent on with them)",
-                   lc.kv_carried),
-            Metric("stale_reports_total", "counter", "worker reports that did not fit the ledger",
-                   lc.stale_reports),
-            Metric("latest_version", "gauge", "latest published weight version", self.latest),
-            Metric("rejected_frames_total", "counter", "frames refused by the worker socket",
-                   labels=("reason",),
-                   values={(k,): v for k, v in self.server.stats.rejected.items()}
-                   if self.server else {}),
-            Metric("ack_rejected_frames_total", "counter", "frames refused by the ack socket",
-                   labels=("reason",),
-                   values={(k,): v for k, v in self.acks.stats.rejected.items()}
-                   if self.acks else {}),
-            Metric("trainer_rejections_total", "counter",
-                   "trajectories the trainer refused by content", st.trainer_rejections),
-            Metric("groups_filtered_total", "counter",
-                   "groups the trainer dropped untrained (dynamic sampling), each credited once",
-                   self.ledger.filtered_groups),
-            Metric("filtered_unknown_total", "counter",
-                   "filtered-group notices naming a prompt the ledger does not hold",
-                   lc.filtered_unknown),
-            Metric("workers_cut_off_total", "counter",
-                   "workers whose finished work was generated again: no link to the trainer "
-                   "while other workers had one", st.workers_cut_off),
-            Metric("lease_expired_kept_total", "counter",
-                   "workers kept although their lease expired (they kept talking)",
-                   st.lease_expired_kept),
-        ]
+        return manager_metrics(self.stats, self.ledger, workers=len(self.workers),
+                               latest=self.latest, server=self.server, acks=self.acks)
 
     def summary(self) -> dict[str, object]:
         return {

@@ -10,12 +10,12 @@ worker releases the relay's reader lease once the engine copied them.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from laminar_common.errors import ProtocolError, TransportError
 from laminar_common.relay.client import FetchedWeights, RelayClient
+from laminar_common.relay.tensors import tensors_from
 from laminar_common.relay.wire import VersionNotFoundError
 
 __all__ = ["make_relay_fetcher", "FetchedVersion", "WeightFetcher"]
@@ -83,23 +83,13 @@ def make_relay_fetcher(client: RelayClient, *, with_tensors: bool = True,
         extra = {"wire_bytes": fetched.wire_bytes, "delta": fetched.source == "delta"}
         if not with_tensors:
             return FetchedVersion(fetched.version, None, fetched.release, **extra)
-        import torch
-
-        views = fetched.tensors()
-        tensors = []
-        for spec in fetched.manifest.tensors:
-            dtype = getattr(torch, spec.dtype, None)
-            if not isinstance(dtype, torch.dtype):
-                fetched.release()
-                raise ProtocolError(f"weight v{fetched.version}: tensor {spec.name!r} has "
-                                    f"unknown dtype {spec.dtype!r}")
-            with warnings.catch_warnings():
-                # Read-only views of the relay's shared memory: engines copy them into
-                # their own parameters before release() and never write through them.
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                flat = torch.frombuffer(views[spec.name], dtype=dtype) if spec.nbytes else \
-                    torch.empty(0, dtype=dtype)
-            tensors.append((spec.name, flat.reshape(spec.shape)))
+        try:
+            # Read-only views of the relay's buffer: engines copy them into their own
+            # parameters before release() and never write through them.
+            tensors = tensors_from(fetched)
+        except ProtocolError:
+            fetched.release()
+            raise
         return FetchedVersion(fetched.version, tensors, fetched.release, **extra)
 
     return fetch

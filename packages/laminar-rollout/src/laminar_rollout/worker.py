@@ -4,6 +4,11 @@ Owns one engine, its tokenizer and reward function, a DEALER connection to the
 manager, a PUSH connection to the trainer and an outbox. It registers in etcd
 (role ``worker``) and finds the manager, the trainer and the relays there.
 
+A composition root: the engine, the outbox (:mod:`.outbox`: pushes to the trainer,
+re-sends, drops on the durable ack), the weight fetcher (:mod:`.relay_fetch`), the
+reward pool (:mod:`.rewards`), conversations (:mod:`.conversations`) and the KV plane
+(:mod:`.kv_plane`), driven by one loop.
+
 The loop (one thread owns the engine and every socket):
 
 1. take messages from the manager: prompts (fresh or resumed), ``pull``,
@@ -52,7 +57,7 @@ from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.net import is_wildcard
 from laminar_common.roles import Extra, Role
 from laminar_common.service import Service
-from laminar_common.transport import Client, PushSender, make_client, make_push_sender
+from laminar_common.transport import Client, make_client
 
 from .config import WorkerConfig
 from .conversations import Completed, make_conversations
@@ -61,8 +66,10 @@ from .engines import SamplingParams as EngineSampling
 from .engines.base import KVState, call_with_deadline
 from .engines.kv_wire import kv_from_wire, kv_to_wire
 from .kv_plane import KvFetchError, KvPlane, fetch_kv
+from .outbox import Outbox
 from .relay_fetch import FetchedVersion, WeightFetcher
 from .rewards import RewardFn, RewardPool, load_reward_fn
+from .telemetry import FULL_PROGRESS_EVERY, worker_metrics
 from .tokenizer import Tokenizer
 from .version import __version__
 
@@ -132,21 +139,11 @@ class WorkerService(Service):
         self._rejoin_to: MemberRecord | None = None
         self.metrics: MetricsServer | None = None
         self._curve = config.auth.curve()
-        self.trainer: PushSender | None = None
-        self._trainer_key: tuple[str, float] | None = None
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._tasks: dict[str, PromptTask] = {}
         self._fresh: collections.deque[PromptTask] = collections.deque()
         self._pull: int | None = None
         self._pull_retry_at = 0.0
-        self.outbox: dict[str, Trajectory] = {}
-        self._resend_at: dict[str, tuple[float, int]] = {}
-        """Per outbox id: when to push it again unless acked, and how often it was pushed."""
-        self._last_resend_check = 0.0
-        self._trainer_reconnects = 0
-        self._trainer_down_s = 0.0
-        """The link to the trainer: down this long as last read by the loop (0.0: up)."""
-        self._trainer_down_said = 0.0
         self._done_since_report: list[str] = []
         self._last_report = 0.0
         # Progress the current manager holds: trajectory id -> tokens sent. Reports carry
@@ -156,6 +153,8 @@ class WorkerService(Service):
         self._progress_to: Client | None = None
         self._reports = 0
         self.counters: collections.Counter[str] = collections.Counter()
+        self.outbox = Outbox(config.resend_after_s, self.counters, auth=self._curve)
+        """Finished trajectories until the trainer's durable ack (:mod:`.outbox`)."""
         self.weight_wait_s = 0.0
         self.busy_s = 0.0
         self._t_start = time.time()
@@ -241,95 +240,10 @@ class WorkerService(Service):
         self._events.put(("trainer", event))
 
     def _metrics(self) -> list[Metric]:
-        c, load = self.counters, self._last_load
-        return [
-            Metric("trajectories_total", "counter", "trajectories finished and pushed",
-                   c["finished"]),
-            Metric("rejected_total", "counter", "prompts refused (e.g. too long)", c["rejected"]),
-            Metric("reward_errors_total", "counter", "reward function failures",
-                   c["reward_errors"]),
-            Metric("reward_timeouts_total", "counter",
-                   "reward calls past reward_timeout_s (scored 0.0, counted as errors)",
-                   self.rewards.timeouts),
-            Metric("reward_pending", "gauge", "generated trajectories waiting for a score",
-                   len(self._scoring)),
-            Metric("exported_total", "counter", "trajectories handed back by repack",
-                   c["exported"]),
-            Metric("progress_tokens_total", "counter",
-                   "partial-progress tokens sent to the manager (only new ones, and all of "
-                   f"them every {FULL_PROGRESS_EVERY} reports)", c["progress_tokens"]),
-            Metric("kv_migrated_out_total", "counter",
-                   "exported trajectories that took their KV cache along", c["kv_migrated_out"]),
-            Metric("kv_migrated_in_total", "counter",
-                   "migrated trajectories continued from their KV cache (no re-prefill)",
-                   c["kv_migrated_in"]),
-            Metric("kv_refused_total", "counter",
-                   "migrated KV caches not used (another engine or model shape): re-prefilled",
-                   c["kv_refused"]),
-            Metric("kv_fetched_total", "counter",
-                   "migrated caches fetched from their source worker's KV plane",
-                   c["kv_fetched"]),
-            Metric("kv_fetch_failed_total", "counter",
-                   "migrated caches that could not be fetched (source gone, slow, expired, "
-                   "or other bytes than its ref named): re-prefilled", c["kv_fetch_failed"]),
-            Metric("kv_plane_served_total", "counter",
-                   "caches this worker's KV plane handed to a destination",
-                   self.kv_plane.counters["served"] if self.kv_plane else 0),
-            Metric("kv_plane_dropped_total", "counter",
-                   "exported caches dropped unfetched (expired or evicted)",
-                   self.kv_plane.counters["expired"] + self.kv_plane.counters["evicted"]
-                   if self.kv_plane else 0),
-            Metric("kv_plane_held_bytes", "gauge", "exported caches waiting to be fetched",
-                   self.kv_plane.held_bytes if self.kv_plane else 0),
-            Metric("kv_too_large_total", "counter",
-                   "exports whose cache exceeded kv_transfer_max_mb (re-prefilled)",
-                   c["kv_too_large"]),
-            Metric("shared_prefill_tokens_total", "counter",
-                   "prompt tokens not prefilled: a row admitted with the same input had them",
-                   getattr(self.engine, "shared_prefill_tokens", 0)),
-            Metric("kv_reused_tokens_total", "counter",
-                   "prompt and resumed tokens taken from a cache instead of prefilled",
-                   getattr(self.engine, "kv_reused_tokens", 0)),
-            Metric("weight_loads_total", "counter", "weight versions loaded", c["weight_loads"]),
-            Metric("weight_pull_failures_total", "counter",
-                   "weight fetches or loads that failed (retried)", c["pull_failed"]),
-            Metric("weight_loads_wedged_total", "counter",
-                   "weight loads that did not return within weight_load_timeout_s",
-                   c["weight_load_wedged"]),
-            Metric("weight_delta_loads_total", "counter",
-                   "weight versions rebuilt from delta versions", c["weight_delta_loads"]),
-            Metric("weight_fetched_bytes_total", "counter",
-                   "version bytes fetched from relays (deltas count their own size)",
-                   c["weight_bytes"]),
-            Metric("weight_version", "gauge", "policy version of the engine",
-                   self.engine.weight_version),
-            Metric("weight_wait_seconds_total", "counter", "time spent fetching + loading weights",
-                   self.weight_wait_s),
-            Metric("busy_seconds_total", "counter", "time spent in engine steps", self.busy_s),
-            Metric("active_sequences", "gauge", "sequences being decoded", load.active),
-            Metric("queued_sequences", "gauge", "sequences waiting for a slot", load.queued),
-            Metric("kv_used_tokens", "gauge", "KV-cache tokens in use", load.kv_used_tokens),
-            Metric("outbox_trajectories", "gauge", "pushed but not yet durably acked",
-                   len(self.outbox)),
-            Metric("rejoins_total", "counter",
-                   "hellos again after the manager forgot this worker (lease lost while paused)",
-                   c["rejoins"]),
-            Metric("manager_switches_total", "counter", "new manager incarnations followed",
-                   c["manager_switches"]),
-            Metric("trainer_switches_total", "counter",
-                   "trainer incarnations seen (each gets the whole outbox again)",
-                   c["trainer_switches"]),
-            Metric("trainer_reconnects_total", "counter",
-                   "links to the trainer back after being down (each re-sends the outbox)",
-                   c["trainer_reconnects"]),
-            Metric("trainer_link_down_seconds", "gauge",
-                   "how long the link to the trainer has been down (0: up)",
-                   self._trainer_down_s),
-            Metric("resent_total", "counter", "pushes repeated because no ack came in time",
-                   c["resent"]),
-            Metric("push_failed_total", "counter", "pushes to the trainer that failed",
-                   c["push_failed"]),
-        ]
+        return worker_metrics(self.counters, self._last_load, engine=self.engine,
+                              rewards=self.rewards, scoring=len(self._scoring),
+                              kv_plane=self.kv_plane, outbox=self.outbox,
+                              weight_wait_s=self.weight_wait_s, busy_s=self.busy_s)
 
     def stats(self) -> dict:
         uptime = time.time() - self._t_start
@@ -360,9 +274,9 @@ class WorkerService(Service):
             self.kv_plane.close()
         if self.coordinator is not None:
             self.coordinator.close()
-        for sock in (self.manager, self.trainer):
-            if sock is not None:
-                sock.close()
+        self.outbox.close()
+        if self.manager is not None:
+            self.manager.close()
 
     # -- the loop ---------------------------------------------------------------
 
@@ -409,8 +323,7 @@ class WorkerService(Service):
             self._next_turns()
             self._collect_rewards()
             self._report(force=self._refill_due())
-            self._watch_trainer_link()
-            self._resend_overdue()
+            self.outbox.tick()
 
     def _refill_due(self) -> bool:
         """Whether enough slots freed up since the last report to report now (see
@@ -437,7 +350,7 @@ class WorkerService(Service):
             if kind == "trainer":
                 assert isinstance(payload, MembershipEvent)
                 if payload.kind == "put" and payload.record is not None:
-                    self._set_trainer(payload.record)
+                    self.outbox.set_trainer(payload.record)
             elif kind == "manager":
                 assert isinstance(payload, MembershipEvent)
                 rec = payload.record
@@ -487,61 +400,6 @@ class WorkerService(Service):
             return
         self._report(force=True)
 
-    def _set_trainer(self, record: MemberRecord) -> None:
-        """A trainer registered: a new incarnation (a restart, at any address) gets every
-        unacked trajectory again; a re-registration of the same process changes nothing."""
-        if record.incarnation == self._trainer_key:
-            return
-        if self.trainer is not None:
-            self.trainer.close(linger_s=0)
-        self.trainer = make_push_sender(record.address, send_timeout_s=5, auth=self._curve)
-        self._trainer_key = record.incarnation
-        self._trainer_reconnects = 0
-        self.counters["trainer_switches"] += 1
-        log.info("trainer %s at %s; re-sending %d unacked trajectories", record.member_id,
-                 record.address, len(self.outbox))
-        self._push_outbox()
-
-    def _push_outbox(self) -> None:
-        """Push every unacked trajectory again (the trainer refuses copies it has by id)."""
-        for traj in list(self.outbox.values()):
-            self._push(traj)
-
-    def _watch_trainer_link(self) -> None:
-        """The link to the trainer came back after it was down (a cut, a paused trainer):
-        everything unacked is pushed again at once, since what was in flight when it went
-        down may be lost (the trainer refuses copies it has by id). While it is down, the
-        manager hears how long (``WorkerReport.trainer_down_s``) and a warning says so."""
-        if self.trainer is None:
-            return
-        reconnects = self.trainer.reconnects()
-        if reconnects != self._trainer_reconnects:
-            self._trainer_reconnects, self._trainer_down_s = reconnects, 0.0
-            self.counters["trainer_reconnects"] += 1
-            log.warning("link to the trainer is back; re-sending %d unacked trajectories",
-                        len(self.outbox))
-            self._push_outbox()
-            return
-        down = self._trainer_down_s = self.trainer.down_s()
-        now = time.monotonic()
-        if down >= TRAINER_DOWN_SAY_AFTER_S and now - self._trainer_down_said >= \
-                TRAINER_DOWN_SAY_EVERY_S:
-            self._trainer_down_said = now
-            log.warning("no link to the trainer for %.0fs (%d finished trajectories waiting "
-                        "in the outbox): cut off, or the trainer is gone", down,
-                        len(self.outbox))
-
-    def _resend_overdue(self) -> None:
-        """Push again what the trainer has not acked in time (see ``resend_after_s``)."""
-        now = time.monotonic()
-        if now - self._last_resend_check < 1.0 or self.trainer is None:
-            return
-        self._last_resend_check = now
-        for tid, (due, _) in list(self._resend_at.items()):
-            if due <= now and tid in self.outbox:
-                self.counters["resent"] += 1
-                self._push(self.outbox[tid])
-
     def _handle(self, msg: codec.Message) -> None:
         if isinstance(msg, PromptTask):
             if msg.resume_token_ids and msg.policy_version != self.engine.weight_version:
@@ -572,9 +430,7 @@ class WorkerService(Service):
         elif isinstance(msg, codec.ExportTrajectories):
             self._export(msg.trajectory_ids)
         elif isinstance(msg, codec.Acked):
-            for tid in msg.trajectory_ids:
-                self.outbox.pop(tid, None)
-                self._resend_at.pop(tid, None)
+            self.outbox.acked(msg.trajectory_ids)
         elif isinstance(msg, codec.Refused):
             self._rejoin(f"the manager does not know this worker ({msg.reason})",
                          known=self._manager_rec)
@@ -734,23 +590,9 @@ class WorkerService(Service):
                 sampling=task.sampling, data_source=_data_source(task),
                 observation_spans=out.observation_spans, engine=self._engine_label,
             )
-            self.outbox[traj.trajectory_id] = traj
             self._done_since_report.append(traj.trajectory_id)
             self.counters["finished"] += 1
-            self._push(traj)
-
-    def _push(self, traj: Trajectory) -> None:
-        if self.trainer is None:
-            return
-        _, pushes = self._resend_at.get(traj.trajectory_id, (0.0, 0))
-        backoff = self.config.resend_after_s * min(2 ** pushes, 8)
-        self._resend_at[traj.trajectory_id] = (time.monotonic() + backoff, pushes + 1)
-        try:
-            self.trainer.send(traj)
-        except TransportError as exc:
-            self.counters["push_failed"] += 1
-            log.warning("push of %s to the trainer failed (kept in the outbox): %s",
-                        traj.trajectory_id, exc)
+            self.outbox.add(traj)
 
     def _export(self, ids: Iterable[str]) -> None:
         # Only what the engine holds moves: a conversation waiting on its tool call stays
@@ -859,7 +701,7 @@ class WorkerService(Service):
             holding=tuple(self._tasks) + tuple(self._scoring) + tuple(self._between_turns)
             + tuple(self._kv_waiting),
             done=tuple(self._done_since_report), progress=batched,
-            trainer_down_s=round(self._trainer_down_s, 2),
+            trainer_down_s=round(self.outbox.down_s, 2),
         ))
         self._done_since_report = []
         for p in extra:
@@ -898,14 +740,6 @@ class WorkerService(Service):
 
 _MIN_EARLY_REPORT_S = 0.01
 """Early reports (``refill_fraction``) come at most this often."""
-TRAINER_DOWN_SAY_AFTER_S = 5.0
-"""A link to the trainer down this long is warned about ..."""
-TRAINER_DOWN_SAY_EVERY_S = 10.0
-"""... and again this often while it stays down."""
-FULL_PROGRESS_EVERY = 100
-"""Every this many reports, progress carries every token: it mends what the manager
-missed (a frame lost with a dropped connection; the manager then still holds a shorter,
-valid prefix and counts a gap), at a cost amortised over the reports between."""
 _PROGRESS_TOKENS_PER_REPORT = 1 << 20
 """Progress tokens batched into one report (~10 MB); more go as messages of their own."""
 

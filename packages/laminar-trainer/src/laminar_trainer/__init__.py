@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     from .config import TrainerConfig
     from .export import export_model
     from .publishing import load_into, publish_state_dict, state_dict_from
-    from .service import TrainerService
+    from .service import TrainerService, make_trainer_service
 
 _EXPORTS = {
     "publish_state_dict": "publishing", "state_dict_from": "publishing",
     "load_into": "publishing", "TrainerConfig": "config", "TrainerService": "service",
+    "make_trainer_service": "service",
     "export_model": "export",
 }
 
@@ -34,6 +35,7 @@ __all__ = [
     "load_into",
     "TrainerConfig",
     "TrainerService",
+    "make_trainer_service",
     "export_model",
 ]
 

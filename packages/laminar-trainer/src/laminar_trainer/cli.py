@@ -80,9 +80,9 @@ def _run(path: str | None, overrides: tuple[str, ...], resume: bool, print_confi
             from .policy import run_follower
 
             return run_follower(config, dist)
-        from .service import TrainerService
+        from .service import make_trainer_service
 
-        return TrainerService(config, resume=resume, dist=dist).run_forever()
+        return make_trainer_service(config, resume=resume, dist=dist).run_forever()
 
     return serve_tier("laminar-trainer run", TrainerConfig, path, overrides,
                       print_only=print_config, prepare=prepare, context=context, member=member,

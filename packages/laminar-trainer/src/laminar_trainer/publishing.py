@@ -13,14 +13,14 @@ one (``RelayClient.latest()``), and a published version is immutable.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 
 import torch
 
-from laminar_common.errors import LaminarError, ProtocolError
+from laminar_common.errors import LaminarError
 from laminar_common.relay.client import FetchedWeights, PublishResult, RelayClient
+from laminar_common.relay.tensors import tensors_from
 
 from .publisher import snapshot_state
 
@@ -69,23 +69,7 @@ def state_dict_from(fetched: FetchedWeights, *, copy: bool = True) -> dict[str, 
     Raises:
         ProtocolError: a tensor's dtype is not a torch dtype.
     """
-    views = fetched.tensors()
-    out: dict[str, torch.Tensor] = {}
-    for spec in fetched.manifest.tensors:
-        dtype = getattr(torch, spec.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ProtocolError(f"weight v{fetched.version}: tensor {spec.name!r} has unknown "
-                                f"dtype {spec.dtype!r}")
-        if spec.nbytes:
-            with warnings.catch_warnings():
-                # A shared-memory version is mapped read-only; these views are only read.
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                flat = torch.frombuffer(views[spec.name], dtype=dtype)
-        else:
-            flat = torch.empty(0, dtype=dtype)
-        tensor = flat.reshape(spec.shape)
-        out[spec.name] = tensor.clone() if copy else tensor
-    return out
+    return dict(tensors_from(fetched, copy=copy))
 
 
 def load_into(module: torch.nn.Module, fetched: FetchedWeights, *, strict: bool = True) -> int:

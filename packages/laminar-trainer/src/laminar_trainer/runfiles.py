@@ -18,10 +18,15 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["RunFiles", "clear_old_checkpoints"]
+from laminar_common.config import dump_config
+from laminar_common.data.provenance import StepRecordWriter
+
+from .config import TrainerConfig
+
+__all__ = ["RunFiles", "clear_old_checkpoints", "make_step_records"]
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +86,20 @@ def clear_old_checkpoints(root: Path) -> None:
     for path in old:
         shutil.rmtree(path)
     (root / "LATEST").unlink(missing_ok=True)
+
+
+def make_step_records(config: TrainerConfig, step: int, world_size: int,
+                      decode: Callable[[Sequence[int]], str] | None) -> StepRecordWriter | None:
+    """The step-record writer (None: records are off). ``records.dir``, else
+    ``<checkpoint.dir>/records``, else ``<run_dir>/records``; the records after ``step``
+    go (a resumed run trains those steps again; a fresh one, step 0, drops an earlier
+    run's)."""
+    if not config.records.enabled:
+        return None
+    root = config.checkpoint.dir
+    where = config.records.dir or (Path(root) / "records" if root
+                                   else Path(config.run_dir) / "records")
+    writer = StepRecordWriter(where, dump_config(config), config.records.keep_steps,
+                              decode=decode, meta={"world_size": str(world_size)})
+    writer.drop_after(step)
+    return writer

@@ -12,6 +12,7 @@ fetcher (a rollout, or your own engine) need to talk to the relay tier:
 - :mod:`.dataplane`: the ZeroMQ chunk stream between relays and clients;
 - :mod:`.manifests`: named byte buffers <-> a version's chunked, checksummed
   byte stream (pure Python, no array library);
+- :mod:`.tensors`: a fetched version as torch tensors (torch imported on call);
 - :mod:`.proto`: generated protobuf/gRPC code (source ``relay.proto`` ships in
   the wheel next to it).
 
@@ -28,7 +29,7 @@ _EXPORTS = {
     "VersionConflictError": "wire", "NotMasterError": "wire", "VersionNotFoundError": "wire",
     "StoreFullError": "wire", "ChecksumError": "wire",
     "NamedBuffer": "manifests", "as_named_buffers": "manifests", "build_manifest": "manifests",
-    "tensor_views": "manifests", "assemble": "manifests",
+    "tensor_views": "manifests", "assemble": "manifests", "tensors_from": "tensors",
 }
 
 __all__ = list(_EXPORTS)
