@@ -4,7 +4,9 @@ Owns everything a publisher (the trainer, or your own PyTorch loop) and a
 fetcher (a rollout, or your own engine) need to talk to the relay tier:
 
 - :mod:`.client`: :class:`RelayClient` (publish a version through the master,
-  fetch the latest from the nearest relay, follow the election);
+  fetch the latest from the nearest relay, follow the election): both halves,
+  :mod:`.writer` (:class:`RelayPublisher`) and :mod:`.reader` (:class:`RelayReader`),
+  over one connection core (:mod:`._connection`);
 - :mod:`.publish`: the one publish session (begin, stream chunks, commit or
   abort) used by the client and by each relay's chain forwarder;
 - :mod:`.wire`: gRPC status/metadata mapping, typed relay errors, manifest
@@ -24,6 +26,7 @@ from laminar_common._lazy import lazy_exports
 _EXPORTS = {
     "RelayClient": "client", "PublishResult": "client", "FetchedWeights": "client",
     "RelayHealth": "client", "RelayRef": "client",
+    "RelayPublisher": "writer", "RelayReader": "reader", "RelayConnection": "_connection",
     "PublishSession": "publish",
     "GRPC_OPTIONS": "wire", "RELAY_ROLE": "wire", "MASTER_ELECTION": "wire",
     "VersionConflictError": "wire", "NotMasterError": "wire", "VersionNotFoundError": "wire",
