@@ -384,6 +384,56 @@ def compute_policy_loss(
             mismatched shapes, bad clip or cap values, or ``proximal_logprobs``
             with a correction that does not use them.
     """
+    _check_policy_loss_args(logprobs, old_logprobs, mask, clip_low, clip_high, correction,
+                            proximal_logprobs, tis_cap, ratio_level)
+    if advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0]:
+        advantages = advantages[:, None].expand_as(logprobs)
+    elif advantages.shape != logprobs.shape:
+        raise ValueError(
+            f"advantages must be [B] or [B, T] with [B, T] = {tuple(logprobs.shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    t = _Tokens(logprobs, mask.bool(), ratio_level)
+    advantages = torch.where(t.mask, advantages.detach().to(logprobs.dtype), t.zeros)
+    behaviour = old_logprobs.detach().to(logprobs.dtype)
+    proximal = None
+    if correction == "decoupled":
+        proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
+        ratio = t.ratio(proximal)
+        behaviour_log_ratio = t.log_ratio(proximal, behaviour)
+        raw_weight = t.per_level(behaviour_log_ratio).exp()
+        weight = raw_weight.clamp(max=tis_cap)
+        coefficient = weight
+    else:
+        ratio = t.ratio(behaviour)
+        behaviour_log_ratio = t.log_ratio(logprobs.detach(), behaviour)
+        if correction == "tis":
+            raw_weight = ratio.detach()
+            weight = raw_weight.clamp(max=tis_cap)
+            coefficient = weight / raw_weight
+        else:
+            raw_weight = weight = coefficient = torch.ones_like(ratio)
+
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    surrogate = torch.minimum(unclipped, clipped)
+    token_losses = -(coefficient * surrogate)
+    loss = aggregate_token_losses(token_losses, t.mask, aggregation, denominator=denominator,
+                                  norm_tokens=norm_tokens)
+    with torch.no_grad():
+        proximal_kl = 0.0
+        if proximal is not None and proximal_logprobs is not None:
+            prox_log_ratio = t.log_ratio(logprobs.detach(), proximal)
+            # k3 with samples from pi_prox: E[(pi/pi_prox - 1) - log(pi/pi_prox)].
+            proximal_kl = _masked_mean(prox_log_ratio.exp() - 1.0 - prox_log_ratio, t.mask)
+        stats = _policy_loss_stats(t.mask, advantages, ratio.detach(), clipped < unclipped,
+                                   weight, raw_weight, tis_cap, behaviour_log_ratio,
+                                   proximal_kl, row_buckets)
+    return loss, stats
+
+
+def _check_policy_loss_args(logprobs, old_logprobs, mask, clip_low, clip_high, correction,
+                            proximal_logprobs, tis_cap, ratio_level) -> None:
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"unknown ratio_level {ratio_level!r}; expected one of {RATIO_LEVELS}")
     if correction not in CORRECTIONS:
@@ -399,100 +449,68 @@ def compute_policy_loss(
     _check_same_shape(
         logprobs, old_logprobs=old_logprobs, mask=mask, proximal_logprobs=proximal_logprobs
     )
-    if advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0]:
-        advantages = advantages[:, None].expand_as(logprobs)
-    elif advantages.shape != logprobs.shape:
-        raise ValueError(
-            f"advantages must be [B] or [B, T] with [B, T] = {tuple(logprobs.shape)}, "
-            f"got {tuple(advantages.shape)}"
-        )
-    mask = mask.bool()
-    zeros = torch.zeros_like(logprobs)
-    advantages = torch.where(mask, advantages.detach().to(logprobs.dtype), zeros)
-    behaviour = old_logprobs.detach().to(logprobs.dtype)
 
-    def log_ratio(numerator: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        diff = torch.where(mask, numerator - base, zeros)
+
+class _Tokens:
+    """The masked ``[B, T]`` log-probs a policy loss compares, and its ratios per token
+    (``ratio_level`` "token") or per sequence (GSPO, "sequence")."""
+
+    def __init__(self, logprobs: torch.Tensor, mask: torch.Tensor, ratio_level: str) -> None:
+        self.logprobs, self.mask, self.level = logprobs, mask, ratio_level
+        self.zeros = torch.zeros_like(logprobs)
+        self.row_tokens = mask.to(logprobs.dtype).sum(-1, keepdim=True).clamp(min=1.0)
+
+    def log_ratio(self, numerator: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        diff = torch.where(self.mask, numerator - base, self.zeros)
         return diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
-    row_tokens = mask.to(logprobs.dtype).sum(-1, keepdim=True).clamp(min=1.0)
-
-    def per_level(token_log_ratio: torch.Tensor) -> torch.Tensor:
+    def per_level(self, token_log_ratio: torch.Tensor) -> torch.Tensor:
         """A detached log-ratio per token, or its sequence mean on every token (GSPO)."""
-        if ratio_level == "token":
+        if self.level == "token":
             return token_log_ratio
-        seq = token_log_ratio.sum(-1, keepdim=True) / row_tokens
-        return torch.where(mask, seq.expand_as(token_log_ratio), zeros)
+        seq = token_log_ratio.sum(-1, keepdim=True) / self.row_tokens
+        return torch.where(self.mask, seq.expand_as(token_log_ratio), self.zeros)
 
-    def make_ratio(anchor: torch.Tensor) -> torch.Tensor:
-        if ratio_level == "token":
-            return log_ratio(logprobs, anchor).exp()
+    def ratio(self, anchor: torch.Tensor) -> torch.Tensor:
+        """pi / ``anchor``, differentiable through ``logprobs``."""
+        if self.level == "token":
+            return self.log_ratio(self.logprobs, anchor).exp()
         # GSPO-token: the value is the sequence ratio, the gradient flows per token.
-        seq = per_level(log_ratio(logprobs.detach(), anchor))
-        return (seq + log_ratio(logprobs, logprobs.detach())).exp()
+        seq = self.per_level(self.log_ratio(self.logprobs.detach(), anchor))
+        return (seq + self.log_ratio(self.logprobs, self.logprobs.detach())).exp()
 
-    proximal = None
-    if correction == "decoupled":
-        proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
-        ratio = make_ratio(proximal)
-        behaviour_log_ratio = log_ratio(proximal, behaviour)
-        raw_weight = per_level(behaviour_log_ratio).exp()
-        weight = raw_weight.clamp(max=tis_cap)
-        coefficient = weight
-    else:
-        ratio = make_ratio(behaviour)
-        behaviour_log_ratio = log_ratio(logprobs.detach(), behaviour)
-        if correction == "tis":
-            raw_weight = ratio.detach()
-            weight = raw_weight.clamp(max=tis_cap)
-            coefficient = weight / raw_weight
-        else:
-            raw_weight = weight = coefficient = torch.ones_like(ratio)
 
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    surrogate = torch.minimum(unclipped, clipped)
-    token_losses = -(coefficient * surrogate)
-    loss = aggregate_token_losses(token_losses, mask, aggregation, denominator=denominator,
-                                  norm_tokens=norm_tokens)
-
-    with torch.no_grad():
-        clipped_away = clipped < unclipped
-        current = ratio.detach()
-        if proximal is not None and proximal_logprobs is not None:
-            prox_log_ratio = log_ratio(logprobs.detach(), proximal)
-            # k3 with samples from pi_prox: E[(pi/pi_prox - 1) - log(pi/pi_prox)].
-            proximal_kl = _masked_mean(prox_log_ratio.exp() - 1.0 - prox_log_ratio, mask)
-        else:
-            proximal_kl = 0.0
-        stats = {
-            "clip_fraction": _masked_mean(clipped_away.to(ratio.dtype), mask),
-            "clip_fraction_low": _masked_mean(
-                (clipped_away & (advantages < 0)).to(ratio.dtype), mask),
-            "clip_fraction_high": _masked_mean(
-                (clipped_away & (advantages > 0)).to(ratio.dtype), mask),
-            "ratio_mean": _masked_mean(current, mask),
-            "ratio_max": _masked_max(current, mask),
-            "is_weight_mean": _masked_mean(weight, mask),
-            "is_weight_max": _masked_max(weight, mask),
-            "is_truncated_fraction": _masked_mean((raw_weight > tis_cap).to(ratio.dtype), mask),
-            # k3 with samples from mu: E_mu[(p/mu - 1) - log(p/mu)] = KL(mu || p).
-            "behaviour_kl": _masked_mean(
-                behaviour_log_ratio.exp() - 1.0 - behaviour_log_ratio, mask
-            ),
-            "proximal_kl": proximal_kl,
-            "tokens": float(mask.sum()),
-        }
-        if row_buckets is not None:
-            sums = {}
-            for bucket in row_buckets.unique().tolist():
-                where = mask & (row_buckets.to(mask.device)[:, None] == bucket)
-                n = float(where.sum())
-                if n:
-                    sums[int(bucket)] = (n, float(clipped_away[where].sum()),
-                                         float(current[where].sum()), float(weight[where].sum()))
-            stats["bucket_sums"] = sums
-    return loss, stats
+def _policy_loss_stats(mask: torch.Tensor, advantages: torch.Tensor, current: torch.Tensor,
+                       clipped_away: torch.Tensor, weight: torch.Tensor,
+                       raw_weight: torch.Tensor, tis_cap: float,
+                       behaviour_log_ratio: torch.Tensor, proximal_kl: float,
+                       row_buckets: torch.Tensor | None) -> dict:
+    """The floats :func:`compute_policy_loss` returns over the masked tokens."""
+    dtype = current.dtype
+    stats = {
+        "clip_fraction": _masked_mean(clipped_away.to(dtype), mask),
+        "clip_fraction_low": _masked_mean((clipped_away & (advantages < 0)).to(dtype), mask),
+        "clip_fraction_high": _masked_mean((clipped_away & (advantages > 0)).to(dtype), mask),
+        "ratio_mean": _masked_mean(current, mask),
+        "ratio_max": _masked_max(current, mask),
+        "is_weight_mean": _masked_mean(weight, mask),
+        "is_weight_max": _masked_max(weight, mask),
+        "is_truncated_fraction": _masked_mean((raw_weight > tis_cap).to(dtype), mask),
+        # k3 with samples from mu: E_mu[(p/mu - 1) - log(p/mu)] = KL(mu || p).
+        "behaviour_kl": _masked_mean(behaviour_log_ratio.exp() - 1.0 - behaviour_log_ratio, mask),
+        "proximal_kl": proximal_kl,
+        "tokens": float(mask.sum()),
+    }
+    if row_buckets is not None:
+        sums = {}
+        for bucket in row_buckets.unique().tolist():
+            where = mask & (row_buckets.to(mask.device)[:, None] == bucket)
+            n = float(where.sum())
+            if n:
+                sums[int(bucket)] = (n, float(clipped_away[where].sum()),
+                                     float(current[where].sum()), float(weight[where].sum()))
+        stats["bucket_sums"] = sums
+    return stats
 
 
 def compute_kl_penalty(

@@ -431,34 +431,48 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
                 chunks.append(chunk)
                 plan.append(plan_of(chunk, _advantages(chunk, cfg)))
             micros, denominator, norm = plan[index]
-            optimizer.zero_grad(set_to_none=True)
-            update_loss = 0.0
             # loglinear: the weights have moved len(losses) of the step's updates so far.
             at = (version, len(losses) / updates) if loglinear and losses else None
-            for micro in micros:
-                update_loss += _micro_step(model, micro, denominator, norm, world, cfg, device,
-                                           stats, keep_proximal, at, version)
-            if dist is not None:
-                update_loss = dist.all_reduce([update_loss], "sum")[0]
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):  # a DTensor: the norm over every shard
-                grad_norm = grad_norm.full_tensor()
-            grad_norm = float(grad_norm)
-            # A non-finite loss or gradient never reaches the weights: the update is
-            # skipped (every rank sees the same global norm and loss, so all skip alike).
-            if math.isfinite(update_loss) and math.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
+            update_loss, grad_norm, applied = _update(
+                model, optimizer, micros, denominator, norm, world, cfg, device, stats,
+                keep_proximal, at, version, dist)
+            skipped += not applied
             losses.append(update_loss)
             norms.append(grad_norm)
         if ended:
             break
     scheduler.step()
-    taken = [g for chunk in chunks for g in chunk]
+    return _step_result([g for chunk in chunks for g in chunk], stats.reduce(dist), losses,
+                        norms, skipped, scheduler.get_last_lr()[0])
+
+
+def _update(model, optimizer, micros, denominator, norm, world, cfg, device, stats: _Stats,
+            keep_proximal: bool, at, version, dist) -> tuple[float, float, bool]:
+    """One optimizer update over a mini-batch's micro-batches: ``(loss, grad norm before
+    clipping, applied)``. A non-finite loss or gradient never reaches the weights: the
+    update is skipped (every rank sees the same global norm and loss, so all skip alike)."""
+    optimizer.zero_grad(set_to_none=True)
+    update_loss = 0.0
+    for micro in micros:
+        update_loss += _micro_step(model, micro, denominator, norm, world, cfg, device,
+                                   stats, keep_proximal, at, version)
+    if dist is not None:
+        update_loss = dist.all_reduce([update_loss], "sum")[0]
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor: the norm over every shard
+        grad_norm = grad_norm.full_tensor()
+    grad_norm = float(grad_norm)
+    if math.isfinite(update_loss) and math.isfinite(grad_norm):
+        optimizer.step()
+        return update_loss, grad_norm, True
+    optimizer.zero_grad(set_to_none=True)
+    return update_loss, grad_norm, False
+
+
+def _step_result(taken: list[Group], out: dict, losses: list[float], norms: list[float],
+                 skipped: int, lr: float) -> StepResult:
+    """The step's figures over every group it took (``out``: the reduced loss stats)."""
     trajs_all = [t for g in taken for t in g.trajectories()]
-    out = stats.reduce(dist)
     out["skipped_nonfinite"] = float(skipped)
     out["updates"] = float(len(losses))
     out["grad_norm"] = statistics.fmean(norms)
@@ -466,7 +480,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, ref_model=
     # A group whose samples all scored the same has zero advantage: it teaches nothing.
     uniform = sum(1 for g in taken if not g.informative)
     out["uniform_group_fraction"] = uniform / len(taken) if taken else 0.0
-    out["lr"] = scheduler.get_last_lr()[0]
+    out["lr"] = lr
     return StepResult(statistics.fmean(losses), sum(t.reward for t in trajs_all) / len(trajs_all),
                       sum(len(t.response_token_ids) for t in trajs_all), out)
 
