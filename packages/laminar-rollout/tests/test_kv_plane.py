@@ -168,12 +168,13 @@ def _exported_task(model, plane: KvPlane | None, prompt, steps) -> PromptTask:
 
 def _run_destination(worker: WorkerService, task: PromptTask):
     worker._handle(task)
-    assert list(worker._kv_waiting) == ["p0#0"]  # held while the cache comes
+    assert list(worker.kv.waiting) == ["p0#0"]  # held while the cache comes
     deadline = time.monotonic() + 15
-    while worker._kv_waiting and time.monotonic() < deadline:
+    while worker.kv.waiting and time.monotonic() < deadline:
         time.sleep(0.02)
-        worker._collect_kv()
-    assert not worker._kv_waiting
+        for ready in worker.kv.collect():  # what the worker's loop does each turn
+            worker._add(ready)
+    assert not worker.kv.waiting
     (out,) = worker.engine.run_until_done([])
     return out
 
@@ -216,7 +217,7 @@ def test_a_cache_of_another_shape_is_never_fetched(plane):
     other = TorchEngine(_model().to(torch.float64), max_batch=2, eos_token_ids=(299,))
     worker = _worker(other, "w-dest")
     worker._handle(task)
-    assert not worker._kv_waiting  # refused from the ref alone
+    assert not worker.kv.waiting  # refused from the ref alone
     (out,) = other.run_until_done([])
     assert worker.counters["kv_refused"] == 1 and worker.counters["kv_fetched"] == 0
     assert plane.counters["served"] == 0 and plane.held_bytes > 0
@@ -229,9 +230,9 @@ def test_the_plane_is_a_config_choice_checked_where_it_is_read():
         WorkerConfig(job="unit", worker_id="w", engine={"type": "simulated"},
                      kv_plane="manager", kv_transfer_max_mb=64)
     engine = TorchEngine(_model(), max_batch=2, eos_token_ids=())
-    assert _worker(engine, "w-src")._direct_kv()
-    assert not _worker(engine, "w-m", kv_plane="manager", kv_transfer_max_mb=16)._direct_kv()
-    assert not _worker(engine, "w-off", kv_transfer_max_mb=0)._direct_kv()
+    assert _worker(engine, "w-src").kv.direct
+    assert not _worker(engine, "w-m", kv_plane="manager", kv_transfer_max_mb=16).kv.direct
+    assert not _worker(engine, "w-off", kv_transfer_max_mb=0).kv.direct
 
 
 _SOURCE = """

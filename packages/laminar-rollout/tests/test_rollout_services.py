@@ -475,7 +475,7 @@ def test_a_hung_weight_load_fails_the_worker_which_leaves_and_can_rejoin(stack):
     store, trainer, start_manager, start_worker = stack
     manager = start_manager(n_prompts=40, group_size=2)
     stuck = _worker(store, "w1", max_batch=2)
-    stuck.config = stuck.config.model_copy(update={"weight_load_timeout_s": 0.3})
+    stuck.weights.load_timeout_s = 0.3  # weight_load_timeout_s, as the worker built it
     stuck.engine._load_time = 3600.0  # the weight update hangs
     stuck.start()
     try:

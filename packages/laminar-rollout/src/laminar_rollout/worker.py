@@ -7,7 +7,7 @@ manager, a PUSH connection to the trainer and an outbox. It registers in etcd
 A composition root: the engine, the outbox (:mod:`.outbox`: pushes to the trainer,
 re-sends, drops on the durable ack), the weight fetcher (:mod:`.relay_fetch`), the
 reward pool (:mod:`.rewards`), conversations (:mod:`.conversations`) and the KV plane
-(:mod:`.kv_plane`), driven by one loop.
+(:mod:`.kv_migration`, with the KV plane), driven by one loop.
 
 The loop (one thread owns the engine and every socket):
 
@@ -36,12 +36,10 @@ conversation is between turns).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import logging
 import queue
 import sys
 import time
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,7 +48,7 @@ import msgspec
 from laminar_common import codec
 from laminar_common.codec import PartialProgress, PromptTask, Trajectory, WorkerReport
 from laminar_common.consume.validation import MAX_DATA_SOURCE_CHARS
-from laminar_common.errors import ConfigError, EngineWedgedError, LaminarError, TransportError
+from laminar_common.errors import ConfigError, LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
@@ -63,15 +61,16 @@ from .config import WorkerConfig
 from .conversations import Completed, make_conversations
 from .engines import EngineError, GenerationEngine, GenerationOutput, GenerationRequest
 from .engines import SamplingParams as EngineSampling
-from .engines.base import KVState, call_with_deadline
-from .engines.kv_wire import kv_from_wire, kv_to_wire
-from .kv_plane import KvFetchError, KvPlane, fetch_kv
+from .engines.base import KVState
+from .engines.kv_wire import kv_from_wire
+from .kv_migration import KvMigration
 from .outbox import Outbox
 from .relay_fetch import FetchedVersion, WeightFetcher
 from .rewards import RewardFn, RewardPool, load_reward_fn
 from .telemetry import FULL_PROGRESS_EVERY, worker_metrics
 from .tokenizer import Tokenizer
 from .version import __version__
+from .weight_sync import WeightSync
 
 __all__ = ["WorkerService", "WeightFetcher", "FetchedVersion"]
 
@@ -116,7 +115,12 @@ class WorkerService(Service):
         self.engine = engine
         self._engine_label = engine_label(engine)
         self.tokenizer = tokenizer
-        self.fetch_weights = fetch_weights
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.kv = KvMigration(config, engine, self.counters, auth=config.auth.curve())
+        """KV caches in and out with migrated trajectories (:mod:`.kv_migration`)."""
+        self.weights = WeightSync(engine, fetch_weights, config.weight_load_timeout_s,
+                                  self.counters, what=f"worker {config.worker_id}")
+        """The version to pull, fetched and loaded between trajectories (:mod:`.weight_sync`)."""
         self.reward_fn = reward_fn or load_reward_fn(config.reward)
         self.rewards = RewardPool(self.reward_fn, workers=config.reward_workers,
                                   timeout_s=config.reward_timeout_s)
@@ -127,11 +131,6 @@ class WorkerService(Service):
             if config.environment is not None else None
         self._between_turns: dict[str, PromptTask] = {}
         """Multi-turn trajectories whose environment is answering (held, not in the engine)."""
-        self.kv_plane: KvPlane | None = None
-        """Serves the caches of trajectories this worker exported (``kv_plane: direct``)."""
-        self._kv_waiting: dict[str, tuple[PromptTask, concurrent.futures.Future]] = {}
-        """Migrated trajectories whose cache is being fetched from their source (held)."""
-        self._kv_fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.coordinator = coordinator
         self.manager: Client | None = None
         self._manager_key: tuple[str, float] | None = None
@@ -142,8 +141,6 @@ class WorkerService(Service):
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._tasks: dict[str, PromptTask] = {}
         self._fresh: collections.deque[PromptTask] = collections.deque()
-        self._pull: int | None = None
-        self._pull_retry_at = 0.0
         self._done_since_report: list[str] = []
         self._last_report = 0.0
         # Progress the current manager holds: trajectory id -> tokens sent. Reports carry
@@ -152,13 +149,24 @@ class WorkerService(Service):
         self._progress_sent: dict[str, int] = {}
         self._progress_to: Client | None = None
         self._reports = 0
-        self.counters: collections.Counter[str] = collections.Counter()
         self.outbox = Outbox(config.resend_after_s, self.counters, auth=self._curve)
         """Finished trajectories until the trainer's durable ack (:mod:`.outbox`)."""
-        self.weight_wait_s = 0.0
         self.busy_s = 0.0
         self._t_start = time.time()
         self.timeline: list[tuple[float, str]] = []
+
+    @property
+    def fetch_weights(self) -> WeightFetcher | None:
+        """Where pulled versions come from (``fetch(version) -> FetchedVersion``)."""
+        return self.weights.fetch
+
+    @fetch_weights.setter
+    def fetch_weights(self, fetch: WeightFetcher | None) -> None:
+        self.weights.fetch = fetch
+
+    @property
+    def weight_wait_s(self) -> float:
+        return self.weights.wait_s
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -182,30 +190,12 @@ class WorkerService(Service):
             capacity=self.engine.load().max_batch, extra=extra,
         )
         self.coordinator.register(record)
-        if self._direct_kv():
-            where = self.config.addresses()
-            self.kv_plane = KvPlane(
-                self.config.kv_listen or where.tcp(self.config.kv_port), self.worker_id,
-                max_bytes=int(self.config.kv_hold_max_mb * 2**20),
-                hold_s=self.config.kv_hold_s, advertise=where.advertised,
-                auth=self._curve).start()
-            log.info("KV plane at %s", self.kv_plane.endpoint)
+        self.kv.start_plane()
         self._connect_manager()
         # Ready once the manager welcomed us: the launcher and tests wait on this record.
         self.coordinator.update_record(msgspec.structs.replace(record, extra={
             **extra, Extra.READY: "1", Extra.VERSION: str(self.engine.weight_version)}))
         self.spawn(self._loop, "loop")
-
-    def _kv_transfer(self) -> bool:
-        """Whether exported trajectories take their cache along."""
-        return self.config.kv_transfer_max_mb > 0 and self.engine.supports_kv_transfer
-
-    def _direct_kv(self) -> bool:
-        """Whether exported caches wait here for their destination (see ``kv_plane``)."""
-        return self.config.kv_plane == "direct" and self._kv_transfer()
-
-    def _kv_limit(self) -> int:
-        return int(self.config.kv_transfer_max_mb * 2**20)
 
     def _connect_manager(self, timeout_s: float = 60.0,
                          known: MemberRecord | None = None) -> None:
@@ -242,15 +232,15 @@ class WorkerService(Service):
     def _metrics(self) -> list[Metric]:
         return worker_metrics(self.counters, self._last_load, engine=self.engine,
                               rewards=self.rewards, scoring=len(self._scoring),
-                              kv_plane=self.kv_plane, outbox=self.outbox,
-                              weight_wait_s=self.weight_wait_s, busy_s=self.busy_s)
+                              kv_plane=self.kv.plane, outbox=self.outbox,
+                              weight_wait_s=self.weights.wait_s, busy_s=self.busy_s)
 
     def stats(self) -> dict:
         uptime = time.time() - self._t_start
         return {"worker_id": self.worker_id, "uptime_s": uptime, "busy_s": self.busy_s,
                 "busy_fraction": self.busy_s / uptime if uptime else 0.0,
-                "weight_wait_s": self.weight_wait_s, "counters": dict(self.counters),
-                "kv_plane": dict(self.kv_plane.counters) if self.kv_plane else None,
+                "weight_wait_s": self.weights.wait_s, "counters": dict(self.counters),
+                "kv_plane": dict(self.kv.plane.counters) if self.kv.plane else None,
                 "environment": None if self.conversations is None else {
                     **self.conversations.counters,
                     "errors_by_reason": dict(self.conversations.env_error_reasons)},
@@ -268,10 +258,7 @@ class WorkerService(Service):
         self.rewards.close()
         if self.conversations is not None:
             self.conversations.close()
-        if self._kv_fetch_pool is not None:
-            self._kv_fetch_pool.shutdown(wait=False, cancel_futures=True)
-        if self.kv_plane is not None:
-            self.kv_plane.close()
+        self.kv.close()
         if self.coordinator is not None:
             self.coordinator.close()
         self.outbox.close()
@@ -290,27 +277,22 @@ class WorkerService(Service):
                 continue
             busy = self.engine.has_unfinished()
             wait = 0.0 if busy or self._fresh else \
-                (0.002 if self._scoring or self._between_turns or self._kv_waiting else 0.02)
+                (0.002 if self._scoring or self._between_turns or self.kv.waiting else 0.02)
             msg = self.manager.recv(timeout_s=wait)
             while msg is not None:
                 self._handle(msg)
                 msg = self.manager.recv(timeout_s=0) if self.manager is not None else None
-            self._collect_kv()
-            if self._pull is not None and not self.engine.has_unfinished() and \
-                    not self._kv_waiting and \
-                    not (self.conversations is not None and self.conversations.busy) and \
-                    time.monotonic() >= self._pull_retry_at:
-                try:
-                    self._load_weights(self._pull)
-                except EngineWedgedError:
-                    self.counters["weight_load_wedged"] += 1
-                    raise  # fails the service: leave the job, exit 1, be restarted
-                except LaminarError as exc:
-                    # A relay may have died with the version; a newer one will come.
-                    self.counters["pull_failed"] += 1
-                    self._pull_retry_at = time.monotonic() + 1.0
-                    log.warning("pull of weights v%d failed (retrying in 1s): %s", self._pull, exc)
-            if self._pull is None:
+            for task in self.kv.collect():
+                self._add(task)
+            # Weights change only between trajectories: nothing in the engine, migrating
+            # in, or between turns.
+            if self.weights.due() and not self.engine.has_unfinished() and \
+                    not self.kv.waiting and \
+                    not (self.conversations is not None and self.conversations.busy):
+                self._mark("weights")
+                if self.weights.load_pending():
+                    self._report(force=True)
+            if self.weights.pending is None:
                 self._start_fresh()
             if self.engine.has_unfinished():
                 self._mark("busy")
@@ -371,10 +353,7 @@ class WorkerService(Service):
         """
         dropped = self.engine.abort() if self.engine.has_unfinished() else []
         dropped_ids = [out.request_id for out in dropped] + [t.trajectory_id for t in self._fresh]
-        dropped_ids += list(self._kv_waiting)
-        for _, future in self._kv_waiting.values():
-            future.cancel()  # (one already running ends on its timeout; its result is dropped)
-        self._kv_waiting.clear()
+        dropped_ids += self.kv.drop_waiting()
         if self.conversations is not None:
             self.conversations.clear()
             dropped_ids += [t for t in self._between_turns if t not in dropped_ids]
@@ -407,25 +386,15 @@ class WorkerService(Service):
                             msg.trajectory_id, msg.policy_version, self.engine.weight_version)
                 self.counters["resume_refused"] += 1
                 msg = _without_resume(msg)
-            if msg.kv is not None and not (msg.resume_token_ids
-                                           and self.engine.supports_kv_transfer):
-                self._refuse_kv(msg, "this worker's engine takes no KV cache"
-                                if msg.resume_token_ids else "the task resumes no tokens")
-                msg = msgspec.structs.replace(msg, kv=None)
-            unfit = self._kv_unfit(msg.kv) if isinstance(msg.kv, codec.KvRef) else None
-            if unfit is not None:
-                self._refuse_kv(msg, f"not fetched: {unfit}")
-                msg = msgspec.structs.replace(msg, kv=None)
-            if isinstance(msg.kv, codec.KvRef):
-                self._fetch_kv(msg)
+            msg = self.kv.incoming(msg)
+            if msg is None:
+                pass  # its cache is being fetched: KvMigration.collect returns it
             elif msg.resume_token_ids:
                 self._add(msg)
             else:
                 self._fresh.append(msg)
         elif isinstance(msg, codec.PullWeights):
-            if msg.version > self.engine.weight_version:
-                self._pull = max(self._pull or -1, msg.version)
-            else:
+            if not self.weights.want(msg.version):
                 self._report(force=True)
         elif isinstance(msg, codec.ExportTrajectories):
             self._export(msg.trajectory_ids)
@@ -436,47 +405,6 @@ class WorkerService(Service):
                          known=self._manager_rec)
         else:
             log.warning("ignoring %s from manager", type(msg).__name__)
-
-    def _kv_unfit(self, ref: codec.KvRef) -> str | None:
-        """Why this engine could not take the cache ``ref`` names (None: it could)."""
-        mine = self.engine.kv_layout()
-        theirs = (ref.engine, ref.layers, ref.kv_heads, ref.head_dim, ref.dtype)
-        if mine is None or mine != theirs:
-            return (f"the cache is {theirs[0]} {theirs[1]} layers x {theirs[2]} KV heads x "
-                    f"{theirs[3]} {theirs[4]}; this engine takes "
-                    f"{'none' if mine is None else ' '.join(map(str, mine))}")
-        return None
-
-    def _fetch_kv(self, task: PromptTask) -> None:
-        """Fetch a migrated trajectory's cache from its source, off the decode loop; the
-        trajectory is held (reported) meanwhile and starts when the cache is here."""
-        if self._kv_fetch_pool is None:
-            self._kv_fetch_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=2, thread_name_prefix=f"kv-fetch-{self.worker_id}")
-        ref = task.kv
-        assert isinstance(ref, codec.KvRef)
-        future = self._kv_fetch_pool.submit(
-            fetch_kv, ref, self.worker_id, timeout_s=self.config.kv_fetch_timeout_s,
-            max_cache_bytes=self._kv_limit(), auth=self._curve)
-        self._kv_waiting[task.trajectory_id] = (task, future)
-
-    def _collect_kv(self) -> None:
-        """Start the migrated trajectories whose cache fetch ended: from the cache if it
-        came, else re-prefilled."""
-        for tid, (task, future) in list(self._kv_waiting.items()):
-            if not future.done():
-                continue
-            del self._kv_waiting[tid]
-            try:
-                blob = future.result()
-            except KvFetchError as exc:
-                self.counters["kv_fetch_failed"] += 1
-                self._refuse_kv(task, str(exc))
-                self._add(msgspec.structs.replace(task, kv=None))
-                continue
-            self.counters["kv_fetched"] += 1
-            self.counters["kv_bytes_in"] += len(blob.data)
-            self._add(msgspec.structs.replace(task, kv=blob))
 
     def _start_fresh(self) -> None:
         while self._fresh:
@@ -512,7 +440,7 @@ class WorkerService(Service):
                     self.counters["kv_migrated_in"] += 1
                 except (EngineError, ValueError) as exc:  # e.g. another model shape
                     self.engine.add_request(request())  # (fails again if the cache was not why)
-                    self._refuse_kv(task, str(exc))
+                    self.kv.refuse(task, str(exc))
         except (EngineError, ConfigError, ValueError) as exc:
             self.counters["rejected"] += 1
             if self.conversations is not None:
@@ -602,8 +530,8 @@ class WorkerService(Service):
         # It takes its cache along; a conversation's covers its turns so far, tool results
         # included (the destination continues the same tokens: its prompt ids and
         # resumed tokens travel as they are, never rendered again).
-        with_kv = self._kv_transfer()
-        limit = self._kv_limit()
+        with_kv = self.kv.with_kv
+        limit = self.kv.limit
         for req in (self.engine.export_with_kv(wanted, max_bytes=limit) if with_kv
                     else self.engine.export(wanted)):
             task = self._tasks.pop(req.request_id)
@@ -614,65 +542,9 @@ class WorkerService(Service):
                 resume_token_ids=tuple(req.resume_token_ids),
                 resume_logprobs=tuple(req.resume_logprobs),
                 policy_version=req.policy_version if req.policy_version is not None else -1,
-                conversation=conversation, kv=self._kv_out(req) if with_kv else None,
+                conversation=conversation, kv=self.kv.out(req) if with_kv else None,
             ))
             self.counters["exported"] += 1
-        self._report(force=True)
-
-    def _kv_out(self, req: GenerationRequest) -> codec.KvCache | codec.KvRef | None:
-        """The cache ``export_with_kv`` attached, for the wire, or a ref to it on this
-        worker's KV plane (it left out any over ``kv_transfer_max_mb``; a request with no
-        tokens generated has none)."""
-        if req.kv is None:
-            if req.resume_token_ids:
-                self.counters["kv_too_large"] += 1
-            return None
-        blob = kv_to_wire(req.kv)
-        self.counters["kv_migrated_out"] += 1
-        self.counters["kv_bytes_out"] += len(blob.data)
-        if self.kv_plane is not None:  # the destination fetches it from here
-            return self.kv_plane.offer(req.request_id, blob)
-        return blob
-
-    def _refuse_kv(self, task: PromptTask, why: str) -> None:
-        self.counters["kv_refused"] += 1
-        log.warning("trajectory %s: its KV cache (%d positions, %s engine) is not used, "
-                    "re-prefilling instead: %s", task.trajectory_id, task.kv.num_tokens,
-                    task.kv.engine, why)
-
-    def _load_weights(self, version: int) -> None:
-        if self.fetch_weights is None:
-            raise LaminarError("a pull was requested but this worker has no weight source")
-        self._mark("weights")
-        t0 = time.monotonic()
-        fetched = self.fetch_weights(version)
-        wedged = False
-
-        def load() -> None:
-            with warnings.catch_warnings():
-                # torch.frombuffer warns on read-only (shared-memory) buffers; the
-                # engine copies the values into its parameters before release().
-                warnings.simplefilter("ignore", UserWarning)
-                self.engine.load_weights(fetched.version, fetched.tensors)
-
-        try:
-            call_with_deadline(load, self.config.weight_load_timeout_s,
-                               f"worker {self.worker_id}: loading weights v{fetched.version}")
-        except EngineWedgedError:
-            wedged = True  # the engine may still read the buffer: never release it
-            raise
-        finally:
-            if not wedged:
-                fetched.release()
-        got = fetched.version
-        dt = time.monotonic() - t0
-        self.weight_wait_s += dt
-        self.counters["weight_loads"] += 1
-        self.counters["weight_bytes"] += fetched.wire_bytes
-        self.counters["weight_delta_loads"] += int(fetched.delta)
-        self._pull = None
-        log.info("loaded weights v%d in %.3fs (%d bytes fetched%s)", got, dt, fetched.wire_bytes,
-                 ", rebuilt from deltas" if fetched.delta else "")
         self._report(force=True)
 
     def _report(self, force: bool = False) -> None:
@@ -699,7 +571,7 @@ class WorkerService(Service):
             max_batch=0 if full else load.max_batch, kv_used_tokens=load.kv_used_tokens,
             kv_capacity_tokens=load.kv_capacity_tokens,
             holding=tuple(self._tasks) + tuple(self._scoring) + tuple(self._between_turns)
-            + tuple(self._kv_waiting),
+            + tuple(self.kv.waiting),
             done=tuple(self._done_since_report), progress=batched,
             trainer_down_s=round(self.outbox.down_s, 2),
         ))
