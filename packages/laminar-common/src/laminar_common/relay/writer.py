@@ -98,17 +98,7 @@ class RelayPublisher(RelayConnection):
         if version < 0:
             raise ValueError(f"weight version must be >= 0, got {version}")
         buffers = as_named_buffers(tensors)
-        specs, total = plan_tensors(buffers, self.alignment)
-        layout = WeightManifest(
-            version=version,
-            total_bytes=total,
-            chunk_bytes=self.chunk_bytes,
-            tensors=specs,
-            chunks=plan_chunks(total, self.chunk_bytes),
-            created_at=time.time(),
-            trainer_step=trainer_step,
-            checksum_algo=DEFAULT_CHECKSUM,
-        )
+        layout = self._layout(version, buffers, trainer_step)
         start = time.monotonic()
         deadline = start + self.publish_timeout_s
         backoff = _Backoff(initial=0.2)
@@ -124,36 +114,16 @@ class RelayPublisher(RelayConnection):
                     raise PublishSuperseded(
                         f"publish of weight version {version} given up before attempt "
                         f"{attempt}: a newer version waits to be published") from last
-                sent_layout, sent_buffers = layout, buffers
-                if delta is not None and delta[0].base_version >= 0 \
-                        and self._delta_base is not None \
-                        and relay.member_id == self._delta_base.master_id \
-                        and self._holds(relay, delta[0].base_version):
-                    sent_layout, sent_buffers = delta[0], delta[1]
+                sent_layout, sent_buffers = self._what_to_send(relay, layout, buffers, delta)
                 try:
                     manifest = self._publish_once(relay, sent_layout, sent_buffers, deadline)
                 except (NotMasterError, TransportError, EtcdUnavailableError) as exc:
                     if isinstance(exc, NotMasterError) and self._coord is None:
                         raise  # a fixed address cannot be re-resolved
                     last = exc
-                    self._suspect = ((relay.member_id, relay.started_at, relay.address),
-                                     time.monotonic())
-                    log.warning(
-                        "publish of version %d to master %s failed (attempt %d): %s",
-                        version,
-                        relay.member_id,
-                        attempt,
-                        exc,
-                    )
-                    if time.monotonic() >= deadline:
+                    if not self._retry_after(exc, version, relay, attempt, deadline, backoff,
+                                             superseded):
                         break
-                    if superseded is not None and superseded():
-                        raise PublishSuperseded(
-                            f"publish of weight version {version} given up after {attempt} "
-                            f"attempt(s): a newer version waits to be published") from exc
-                    self._closed.wait(
-                        min(backoff.next_delay(), max(0.0, deadline - time.monotonic()))
-                    )
                     continue
                 self._suspect = None
                 if delta is not None:  # the next delta is taken against this version
@@ -161,19 +131,54 @@ class RelayPublisher(RelayConnection):
                         if sent_layout is not layout and self._delta_base is not None else 0
                     self._delta_base = _DeltaBase(version, delta[2], delta[3], relay.member_id,
                                                   since)
-                return PublishResult(
-                    version,
-                    relay.member_id,
-                    sent_layout.total_bytes,
-                    len(sent_layout.chunks),
-                    time.monotonic() - start,
-                    attempt,
-                    manifest,
-                )
+                return PublishResult(version, relay.member_id, sent_layout.total_bytes,
+                                     len(sent_layout.chunks), time.monotonic() - start,
+                                     attempt, manifest)
         raise TransportError(
             f"publish of weight version {version} did not reach a master relay "
             f"({self.max_attempts} attempts, {self.publish_timeout_s:.0f}s): {last}"
         ) from last
+
+    def _layout(self, version: int, buffers: list[NamedBuffer],
+                trainer_step: int) -> WeightManifest:
+        """The full version's manifest (tensor offsets and chunks; checksums come later)."""
+        specs, total = plan_tensors(buffers, self.alignment)
+        return WeightManifest(
+            version=version, total_bytes=total, chunk_bytes=self.chunk_bytes, tensors=specs,
+            chunks=plan_chunks(total, self.chunk_bytes), created_at=time.time(),
+            trainer_step=trainer_step, checksum_algo=DEFAULT_CHECKSUM)
+
+    def _what_to_send(self, relay: RelayRef, layout: WeightManifest,
+                      buffers: list[NamedBuffer], delta):
+        """The delta, when there is one and ``relay`` is the master it was taken against
+        and still holds its base; else the full version."""
+        if delta is not None and delta[0].base_version >= 0 \
+                and self._delta_base is not None \
+                and relay.member_id == self._delta_base.master_id \
+                and self._holds(relay, delta[0].base_version):
+            return delta[0], delta[1]
+        return layout, buffers
+
+    def _retry_after(self, exc: LaminarError, version: int, relay: RelayRef, attempt: int,
+                     deadline: float, backoff: _Backoff,
+                     superseded: Callable[[], bool] | None) -> bool:
+        """A failed attempt: the master is suspect; True after the backoff when another
+        attempt may go, False past the deadline.
+
+        Raises:
+            PublishSuperseded: ``superseded`` says a newer version waits.
+        """
+        self._suspect = ((relay.member_id, relay.started_at, relay.address), time.monotonic())
+        log.warning("publish of version %d to master %s failed (attempt %d): %s", version,
+                    relay.member_id, attempt, exc)
+        if time.monotonic() >= deadline:
+            return False
+        if superseded is not None and superseded():
+            raise PublishSuperseded(
+                f"publish of weight version {version} given up after {attempt} "
+                f"attempt(s): a newer version waits to be published") from exc
+        self._closed.wait(min(backoff.next_delay(), max(0.0, deadline - time.monotonic())))
+        return True
 
     def _holds(self, relay: RelayRef, version: int) -> bool:
         """Whether ``relay`` holds ``version`` (a restarted master holds nothing: a delta
