@@ -83,6 +83,8 @@ log = logging.getLogger(__name__)
 # No SO_REUSEPORT: a second relay given the same port must fail to bind, not share it.
 _SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
 _LOG_FIRST = 20
+_RPC_TIMEOUT_S = 10.0
+"""Deadline of a control call to another relay."""
 
 
 def _refuses(address: str, timeout_s: float = 1.0) -> bool:
@@ -112,97 +114,48 @@ class RelayService(Service):
         member_id: this relay's id in the job.
         coordinator: the job's coordinator (real etcd or the in-memory twin).
         store: the weight store.
-        bind_host: interface the servers listen on.
+        config: every setting, one value (:class:`~laminar_relay.config.RelayConfig`:
+            ``grpc_port``, ``grpc_workers``, ``max_fetch_wait_s``, ``host``; ``data``
+            (port, chunk size cap, backpressure, verify threads); ``chain`` (forward
+            pacing, commit and session timeouts, control and master-probe periods,
+            default control period TTL / 3); ``store.backend`` and
+            ``store.reader_lease_s``; ``metrics``; ``auth.mutual_tls``).
+        bind_host: interface the servers listen on (default ``config.bind_host``).
         advertise_host: host name or IP peers use to reach this relay (default:
             ``bind_host``; required when that is a wildcard).
-        host: host id same-host readers compare with theirs (default: this machine's).
-        store_backend: ``memfd`` or ``heap`` (advertised in etcd).
-        grpc_port / data_port: ports (0: any free port).
-        grpc_workers: gRPC server threads.
-        verify_threads: threads storing (and checksumming) incoming chunks.
-        max_chunk_bytes: larger data-plane chunks are rejected.
-        send_hwm / send_timeout_s: data-plane backpressure towards downstream.
-        max_forward_bytes_per_s: pace forwarding (0: unlimited).
-        commit_timeout_s: commit wait for chunks still in flight.
-        session_idle_s: idle publish sessions are dropped after this.
-        reader_lease_s: reader lease TTL.
-        max_fetch_wait_s: cap on a fetch's wait for a version still arriving.
-        control_interval_s: period of the election/chain check.
-        master_probe_interval_s: period of the check that the master's port accepts
-            connections (by the relay after it in the chain; 0: off).
-        rpc_timeout_s: deadline of calls to other relays.
+        tls_server, tls_client, curve: TLS for the control API and CURVE for the data
+            plane, made (:func:`make_relay_service` makes them from ``config.auth``).
     """
 
     name = "relay"
 
-    def __init__(
-        self,
-        *,
-        member_id: str,
-        coordinator: Coordinator,
-        store: WeightStore,
-        bind_host: str = "127.0.0.1",
-        advertise_host: str | None = None,
-        host: str | None = None,
-        store_backend: str = "memfd",
-        grpc_port: int = 0,
-        grpc_workers: int = 16,
-        data_port: int = 0,
-        verify_threads: int = 2,
-        max_chunk_bytes: int = 64 * 1024 * 1024,
-        send_hwm: int = 8,
-        send_timeout_s: float = 10.0,
-        max_forward_bytes_per_s: int = 0,
-        commit_timeout_s: float = 60.0,
-        session_idle_s: float = 30.0,
-        reader_lease_s: float = 300.0,
-        max_fetch_wait_s: float = 120.0,
-        control_interval_s: float = 1.0,
-        master_probe_interval_s: float = 0.2,
-        rpc_timeout_s: float = 10.0,
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        tls_server: TlsFiles | None = None,
-        tls_client: TlsFiles | None = None,
-        mutual_tls: bool = False,
-        curve: CurveAuth | None = None,
-    ) -> None:
+    def __init__(self, *, member_id: str, coordinator: Coordinator, store: WeightStore,
+                 config: RelayConfig | None = None, bind_host: str | None = None,
+                 advertise_host: str | None = None, tls_server: TlsFiles | None = None,
+                 tls_client: TlsFiles | None = None, curve: CurveAuth | None = None) -> None:
         super().__init__()
+        cfg = self.config = config if config is not None else RelayConfig()
         self._curve = curve
         self._tls_server = tls_server
         self._tls_client = tls_client
-        self._mutual_tls = mutual_tls
+        self._mutual_tls = cfg.auth.mutual_tls
         self.member_id = member_id
-        self._metrics_port = metrics_port
-        self._metrics_host = metrics_host
         self.metrics: MetricsServer | None = None
         self.coordinator = coordinator
         self.store = store
+        bind_host = bind_host or cfg.bind_host or "127.0.0.1"
         if advertise_host is None and is_wildcard(bind_host):
             raise ValueError(f"bind_host {bind_host!r} listens on every interface: give "
                              "advertise_host, the address peers reach this relay at "
                              "(make_relay_service resolves it from the config)")
         self.bind_host = bind_host
         self.advertise_host = advertise_host or bind_host
-        self.host = host or host_identity()
-        self.store_backend = store_backend
-        self._grpc_port = grpc_port
-        self._grpc_workers = grpc_workers
-        self._data_port = data_port
-        self._verify_threads = verify_threads
-        self._max_chunk_bytes = max_chunk_bytes
-        self._send_hwm = send_hwm
-        self._send_timeout_s = send_timeout_s
-        self._max_forward_bytes_per_s = max_forward_bytes_per_s
-        self._commit_timeout_s = commit_timeout_s
-        self._session_idle_s = session_idle_s
-        self._reader_lease_s = reader_lease_s
-        self._max_fetch_wait_s = max_fetch_wait_s
-        self._control_interval_s = control_interval_s
-        self._master_probe_interval_s = master_probe_interval_s
+        self.host = cfg.host or host_identity()
+        self.store_backend = cfg.store.backend
+        self._control_interval_s = cfg.chain.control_interval_s or max(0.2, cfg.etcd.ttl_s / 3)
+        self._rpc_timeout_s = _RPC_TIMEOUT_S
         self.takeovers = 0
         """Times this relay revoked a dead master's lease to take over."""
-        self._rpc_timeout_s = rpc_timeout_s
         self.address = ""
         self.data_endpoint = ""
         self.is_master = False
@@ -226,98 +179,72 @@ class RelayService(Service):
     # -- lifecycle ----------------------------------------------------------
 
     def _start(self) -> None:
-        self._pool = ThreadPoolExecutor(self._verify_threads, thread_name_prefix="relay-store")
-        self._slots = threading.BoundedSemaphore(2 * self._verify_threads)
+        cfg = self.config
+        data, chain = cfg.data, cfg.chain
+        self._pool = ThreadPoolExecutor(data.verify_threads, thread_name_prefix="relay-store")
+        self._slots = threading.BoundedSemaphore(2 * data.verify_threads)
         self._receiver = ZmqChunkReceiver(
-            self._on_chunk,
-            bind_host=self.bind_host,
-            advertise_host=self.advertise_host,
-            port=self._data_port,
-            max_chunk_bytes=self._max_chunk_bytes,
-            hwm=self._send_hwm,
-            name=f"data-plane-{self.member_id}",
-            auth=self._curve,
-        )
+            self._on_chunk, bind_host=self.bind_host, advertise_host=self.advertise_host,
+            port=data.port, max_chunk_bytes=data.max_chunk_bytes, hwm=data.send_hwm,
+            name=f"data-plane-{self.member_id}", auth=self._curve)
         self.data_endpoint = self._receiver.endpoint
         self.forwarder = ChainForwarder(
-            self.store,
-            self.member_id,
-            self._stub,
-            send_hwm=self._send_hwm,
-            send_timeout_s=self._send_timeout_s,
-            rpc_timeout_s=self._rpc_timeout_s,
-            commit_timeout_s=self._commit_timeout_s,
-            max_bytes_per_s=self._max_forward_bytes_per_s,
-            curve=self._curve,
-        ).start()
+            self.store, self.member_id, self._stub, send_hwm=data.send_hwm,
+            send_timeout_s=data.send_timeout_s, rpc_timeout_s=self._rpc_timeout_s,
+            commit_timeout_s=chain.commit_timeout_s,
+            max_bytes_per_s=chain.max_forward_bytes_per_s, curve=self._curve).start()
         self.servicer = RelayServicer(
-            self.store,
-            relay_id=self.member_id,
-            host=self.host,
-            data_endpoint=self.data_endpoint,
-            master_id=self._current_master,
-            latest_published=self._latest_published,
-            make_visible=self._make_visible,
-            on_begin=self.forwarder.offer,
-            health=self.health,
-            commit_timeout_s=self._commit_timeout_s,
-            reader_lease_s=self._reader_lease_s,
-            max_fetch_wait_s=self._max_fetch_wait_s,
-            max_waiting_fetches=max(1, self._grpc_workers - 4),
-            check_publisher=self._tls_server is not None and self._mutual_tls,
-        )
+            self.store, relay_id=self.member_id, host=self.host,
+            data_endpoint=self.data_endpoint, master_id=self._current_master,
+            latest_published=self._latest_published, make_visible=self._make_visible,
+            on_begin=self.forwarder.offer, health=self.health,
+            commit_timeout_s=chain.commit_timeout_s, reader_lease_s=cfg.store.reader_lease_s,
+            max_fetch_wait_s=cfg.max_fetch_wait_s,
+            max_waiting_fetches=max(1, cfg.grpc_workers - 4),
+            check_publisher=self._tls_server is not None and self._mutual_tls)
+        self.address = f"{self.advertise_host}:{self._serve_grpc()}"
+        self.coordinator.watch_members(self._on_membership, role=RELAY_ROLE)
+        self._register()
+        self._refresh()
+        self.spawn(self._control_loop, "control")
+        if chain.master_probe_interval_s > 0:
+            self.spawn(self._probe_loop, "master-probe")
+
+    def _serve_grpc(self) -> int:
+        """Start the control API's gRPC server; returns its port."""
         self._server = grpc.server(
-            ThreadPoolExecutor(self._grpc_workers, thread_name_prefix="relay-grpc"),
-            options=_SERVER_OPTIONS,
-        )
+            ThreadPoolExecutor(self.config.grpc_workers, thread_name_prefix="relay-grpc"),
+            options=_SERVER_OPTIONS)
         relay_pb2_grpc.add_RelayServicer_to_server(self.servicer, self._server)
+        where = f"{self.bind_host}:{self.config.grpc_port}"
         try:
-            where = f"{self.bind_host}:{self._grpc_port}"
             port = self._server.add_secure_port(
                 where, grpc_server_credentials(self._tls_server, self._mutual_tls)
             ) if self._tls_server is not None else self._server.add_insecure_port(where)
         except RuntimeError as exc:
-            raise TransportError(
-                f"cannot bind the relay gRPC server on {self.bind_host}:{self._grpc_port}: {exc}"
-            ) from exc
+            raise TransportError(f"cannot bind the relay gRPC server on {where}: {exc}") from exc
         if port == 0:
-            raise TransportError(
-                f"cannot bind the relay gRPC server on {self.bind_host}:{self._grpc_port}"
-            )
-        self.address = f"{self.advertise_host}:{port}"
+            raise TransportError(f"cannot bind the relay gRPC server on {where}")
         self._server.start()
-        self.coordinator.watch_members(self._on_membership, role=RELAY_ROLE)
+        return port
+
+    def _register(self) -> None:
+        """The relay's member record (with its metrics endpoint, when on)."""
         extra = {EXTRA_DATA_ENDPOINT: self.data_endpoint, EXTRA_STORE: self.store_backend,
                  Extra.READY: "1"}
-        if self._metrics_port is not None:
+        metrics = self.config.metrics
+        if metrics.port is not None:
             self.metrics = MetricsServer(RELAY_ROLE, self.coordinator.keys.job, self.member_id,
                                          self._metrics)
-            extra[Extra.METRICS] = self.metrics.start(self._metrics_host, self._metrics_port,
+            extra[Extra.METRICS] = self.metrics.start(metrics.host, metrics.port,
                                                        self.advertise_host)
-        self.coordinator.register(
-            MemberRecord(
-                member_id=self.member_id,
-                role=RELAY_ROLE,
-                address=self.address,
-                host_id=self.host,
-                package_version=__version__,
-                protocol_version=PROTOCOL_VERSION,
-                capacity=self.store.max_bytes,
-                extra=extra,
-            )
-        )
-        log.info(
-            "relay %s serving: control %s, data %s, store %s (%d bytes max)",
-            self.member_id,
-            self.address,
-            self.data_endpoint,
-            self.store_backend,
-            self.store.max_bytes,
-        )
-        self._refresh()
-        self.spawn(self._control_loop, "control")
-        if self._master_probe_interval_s > 0:
-            self.spawn(self._probe_loop, "master-probe")
+        self.coordinator.register(MemberRecord(
+            member_id=self.member_id, role=RELAY_ROLE, address=self.address,
+            host_id=self.host, package_version=__version__, protocol_version=PROTOCOL_VERSION,
+            capacity=self.store.max_bytes, extra=extra))
+        log.info("relay %s serving: control %s, data %s, store %s (%d bytes max)",
+                 self.member_id, self.address, self.data_endpoint, self.store_backend,
+                 self.store.max_bytes)
 
     def _close(self) -> None:
         # Revoking the lease removes this relay's record and, if it is the master,
@@ -360,7 +287,7 @@ class RelayService(Service):
                 log.warning(
                     "relay %s: election/chain check failed, retrying: %s", self.member_id, exc
                 )
-            self.store.maintain(self._session_idle_s)
+            self.store.maintain(self.config.chain.session_idle_s)
 
     def _refresh(self) -> None:
         held = self.coordinator.election(MASTER_ELECTION)
@@ -408,7 +335,7 @@ class RelayService(Service):
     def _probe_loop(self) -> None:
         """The relay after the master in the chain: a master port that refuses
         connections is a dead master; revoke its lease and take over now."""
-        while not self.stopping.wait(self._master_probe_interval_s):
+        while not self.stopping.wait(self.config.chain.master_probe_interval_s):
             target = self._probe_target
             if target is None:
                 continue
@@ -591,31 +518,8 @@ def make_relay_service(config: RelayConfig, coordinator: Coordinator | None = No
         coordinator = make_coordinator(config.etcd, config.job)
     listen = config.addresses()
     return RelayService(
-        member_id=member_id,
-        coordinator=coordinator,
-        store=store,
-        bind_host=listen.bind,
-        advertise_host=listen.advertise,
-        host=config.host,
-        store_backend=config.store.backend,
-        grpc_port=config.grpc_port,
-        grpc_workers=config.grpc_workers,
-        data_port=config.data.port,
-        verify_threads=config.data.verify_threads,
-        max_chunk_bytes=config.data.max_chunk_bytes,
-        send_hwm=config.data.send_hwm,
-        send_timeout_s=config.data.send_timeout_s,
-        max_forward_bytes_per_s=config.chain.max_forward_bytes_per_s,
-        commit_timeout_s=config.chain.commit_timeout_s,
-        session_idle_s=config.chain.session_idle_s,
-        reader_lease_s=config.store.reader_lease_s,
-        max_fetch_wait_s=config.max_fetch_wait_s,
-        control_interval_s=config.chain.control_interval_s or max(0.2, config.etcd.ttl_s / 3),
-        master_probe_interval_s=config.chain.master_probe_interval_s,
-        metrics_port=config.metrics.port,
-        metrics_host=config.metrics.host,
+        member_id=member_id, coordinator=coordinator, store=store, config=config,
+        bind_host=listen.bind, advertise_host=listen.advertise,
         tls_server=TlsFiles.server_from_dir(config.auth.dir) if config.auth.dir else None,
         tls_client=TlsFiles.client_from_dir(config.auth.dir, "relay") if config.auth.dir else None,
-        mutual_tls=config.auth.mutual_tls,
-        curve=config.auth.curve(),
-    )
+        curve=config.auth.curve())
