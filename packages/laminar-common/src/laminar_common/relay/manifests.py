@@ -433,6 +433,14 @@ def validate_manifest(
     elif manifest.base_version != -1:
         raise ProtocolError(f"version {v} names base {manifest.base_version} but carries no "
                             "full manifest")
+    _check_sizes(manifest, max_total_bytes, max_tensors)
+    _check_chunks(manifest, require_checksums)
+    _check_tensors(manifest)
+
+
+def _check_sizes(manifest: WeightManifest, max_total_bytes: int | None,
+                 max_tensors: int | None) -> None:
+    v = manifest.version
     if manifest.total_bytes <= 0:
         raise ProtocolError(f"manifest of version {v} has total_bytes={manifest.total_bytes}")
     if max_total_bytes is not None and manifest.total_bytes > max_total_bytes:
@@ -452,6 +460,12 @@ def validate_manifest(
         raise ProtocolError(
             f"version {v}: chunk_bytes={manifest.chunk_bytes} is outside 1..{MAX_CHUNK_BYTES}"
         )
+
+
+def _check_chunks(manifest: WeightManifest, require_checksums: bool) -> None:
+    """Exactly the chunks ``total_bytes`` and ``chunk_bytes`` plan, with valid checksums
+    (a checksum may be left out only where not required)."""
+    v = manifest.version
     # Counted before planning: a claimed size must not make us build its chunk list.
     n_chunks = -(-manifest.total_bytes // manifest.chunk_bytes)
     if len(manifest.chunks) != n_chunks:
@@ -467,12 +481,16 @@ def validate_manifest(
                 f"nbytes={want.nbytes}), manifest says (index={got.index}, "
                 f"offset={got.offset}, nbytes={got.nbytes})"
             )
-        # A checksum may be left out only where not required; one that is given must be valid.
         if (require_checksums or got.checksum) and (
             len(got.checksum) != 2 * _DIGEST_BYTES or not _is_hex(got.checksum)
         ):
             raise ProtocolError(
                 f"version {v}: chunk {got.index} has no valid {manifest.checksum_algo} checksum")
+
+
+def _check_tensors(manifest: WeightManifest) -> None:
+    """Named once each, sized as their dtype and shape say, inside the stream, apart."""
+    v = manifest.version
     if not manifest.tensors:
         raise ProtocolError(f"version {v}: manifest lists no tensors")
     names: set[str] = set()
