@@ -514,34 +514,9 @@ class WeightStore:
             if s.state != "open":
                 raise ProtocolError(f"publish session of version {s.version} is already committing")
             s.state = "committing"
-            v, n = s.version, len(s.digests)
+            v = s.version
             try:
-                if chunks_sent != n or len(checksums) != n:
-                    kind = "truncated publish" if chunks_sent < n else "inconsistent commit"
-                    raise ProtocolError(
-                        f"{kind} of version {v}: the sender sent {chunks_sent} chunks and "
-                        f"{len(checksums)} checksums, the manifest has {n} chunks; "
-                        "nothing was stored"
-                    )
-                deadline = self._clock() + timeout_s
-                while s.failed is None and len(s.arrived) < n:
-                    remaining = deadline - self._clock()
-                    if remaining <= 0:
-                        missing = [i for i, d in enumerate(s.digests) if d is None]
-                        raise CommitTimeoutError(
-                            f"version {v}: {n - len(missing)} of {n} chunks arrived within "
-                            f"{timeout_s:.1f}s (missing {missing[:8]}"
-                            f"{'...' if len(missing) > 8 else ''})"
-                        )
-                    self._cond.wait(min(remaining, 1.0))
-                if s.failed is not None:
-                    raise s.failed
-                for i, (got, want) in enumerate(zip(s.digests, checksums)):
-                    if got is None or got.hex() != want:
-                        raise ChecksumError(
-                            f"version {v}, chunk {i}: the commit lists checksum {want!r} but the "
-                            f"chunk arrived with {got.hex() if got else None!r}"
-                        )
+                self._await_chunks_locked(s, chunks_sent, checksums, timeout_s)
             except LaminarError as exc:
                 self._abort_locked(s, f"commit failed: {exc}")
                 raise
@@ -558,28 +533,70 @@ class WeightStore:
                     self._abort_locked(s, f"could not make version {v} visible: {exc}")
                 raise
         with self._cond:
-            try:
-                if s.state != "committing":
-                    raise ProtocolError(
-                        f"publish session of version {v} was aborted while committing"
-                    )
-                self._check_newer_locked(v)
-            except LaminarError as exc:
-                self._abort_locked(s, str(exc))
-                raise
-            stored = StoredVersion(manifest, s.buffer, tuple(s.arrived), time.time(),
-                                   s.begun_at, s.first_chunk_at)
-            del self._sessions[s.token]
-            s.state, s.stored = "sealed", stored
-            self._sealed[v] = stored
-            # An older version still arriving can never be sealed now: free it (and
-            # release a forwarder waiting on it, e.g. behind a dead upstream).
-            for old in [o for o in self._sessions.values() if o.version < v]:
-                self._abort_locked(old, f"superseded by version {v}")
-            self._retain_locked()
-            self._prepare_spare_locked(manifest.total_bytes)
-            self._cond.notify_all()
-            return stored
+            return self._seal_locked(s, manifest)
+
+    def _await_chunks_locked(self, s, chunks_sent: int, checksums: list[str],
+                             timeout_s: float) -> None:
+        """Every chunk of ``s`` arrived (waiting up to ``timeout_s``) with the digest the
+        sender's list names; caller holds the lock.
+
+        Raises:
+            ProtocolError, CommitTimeoutError, ChecksumError, or the session's failure.
+        """
+        v, n = s.version, len(s.digests)
+        if chunks_sent != n or len(checksums) != n:
+            kind = "truncated publish" if chunks_sent < n else "inconsistent commit"
+            raise ProtocolError(
+                f"{kind} of version {v}: the sender sent {chunks_sent} chunks and "
+                f"{len(checksums)} checksums, the manifest has {n} chunks; "
+                "nothing was stored"
+            )
+        deadline = self._clock() + timeout_s
+        while s.failed is None and len(s.arrived) < n:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                missing = [i for i, d in enumerate(s.digests) if d is None]
+                raise CommitTimeoutError(
+                    f"version {v}: {n - len(missing)} of {n} chunks arrived within "
+                    f"{timeout_s:.1f}s (missing {missing[:8]}"
+                    f"{'...' if len(missing) > 8 else ''})"
+                )
+            self._cond.wait(min(remaining, 1.0))
+        if s.failed is not None:
+            raise s.failed
+        for i, (got, want) in enumerate(zip(s.digests, checksums)):
+            if got is None or got.hex() != want:
+                raise ChecksumError(
+                    f"version {v}, chunk {i}: the commit lists checksum {want!r} but the "
+                    f"chunk arrived with {got.hex() if got else None!r}"
+                )
+
+    def _seal_locked(self, s, manifest: WeightManifest) -> StoredVersion:
+        """Make the committed version readable, unless it was aborted meanwhile or a newer
+        one was sealed; older sessions still arriving go. Caller holds the lock."""
+        v = s.version
+        try:
+            if s.state != "committing":
+                raise ProtocolError(
+                    f"publish session of version {v} was aborted while committing"
+                )
+            self._check_newer_locked(v)
+        except LaminarError as exc:
+            self._abort_locked(s, str(exc))
+            raise
+        stored = StoredVersion(manifest, s.buffer, tuple(s.arrived), time.time(),
+                               s.begun_at, s.first_chunk_at)
+        del self._sessions[s.token]
+        s.state, s.stored = "sealed", stored
+        self._sealed[v] = stored
+        # An older version still arriving can never be sealed now: free it (and
+        # release a forwarder waiting on it, e.g. behind a dead upstream).
+        for old in [o for o in self._sessions.values() if o.version < v]:
+            self._abort_locked(old, f"superseded by version {v}")
+        self._retain_locked()
+        self._prepare_spare_locked(manifest.total_bytes)
+        self._cond.notify_all()
+        return stored
 
     def abort(self, token: bytes, reason: str) -> bool:
         """Drop an open session; returns False if there was none."""
