@@ -659,23 +659,7 @@ class CodeSandbox:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         bpf_fd = _bpf_fd(self._seccomp_prog) if self._seccomp_prog else -1
-        argv = [
-            *prefix,
-            self.python,
-            "-I",
-            "-S",
-            "-B",
-            "-c",
-            _SUPERVISOR,
-            str(status_w),
-            repr(float(self.limits.wall_s)),
-            self.limits.rlimit_spec(),
-            self._drop,
-            str(bpf_fd),
-            self.python,
-            *self._snippet_flags,
-            snippet,
-        ]
+        argv = self._supervised(prefix, snippet, status_w, bpf_fd)
         if cgroup is not None:
             argv = cgroup.enter(argv)
         started = time.monotonic()
@@ -727,19 +711,21 @@ class CodeSandbox:
             log.warning("sandbox run left %d process(es) behind its supervisor; killed them "
                         "through its cgroup", leftover)
         return SandboxResult(
-            stdout=out.text(),
-            stderr=err.text(),
-            exit_code=exit_code,
-            timed_out=timed_out,
-            truncated=bool(out.dropped or err.dropped),
-            duration_s=duration,
-            killed_by=killed_by,
-            isolation=self.isolation,
-            whole_run_bound=self.whole_run_bound,
-            memory_peak_bytes=peak,
-            leftover_killed=leftover,
-            oom_kills=oom,
-        )
+            stdout=out.text(), stderr=err.text(), exit_code=exit_code, timed_out=timed_out,
+            truncated=bool(out.dropped or err.dropped), duration_s=duration,
+            killed_by=killed_by, isolation=self.isolation,
+            whole_run_bound=self.whole_run_bound, memory_peak_bytes=peak,
+            leftover_killed=leftover, oom_kills=oom)
+
+    def _supervised(self, prefix: list[str], snippet: str, status_w: int,
+                    bpf_fd: int) -> list[str]:
+        """The command line: the isolation ``prefix``, then the supervisor (``-I -S -B``:
+        isolated, no site, no bytecode), which applies the limits, drops privileges,
+        installs the seccomp filter from ``bpf_fd`` and runs ``snippet``, reporting on
+        ``status_w``."""
+        return [*prefix, self.python, "-I", "-S", "-B", "-c", _SUPERVISOR, str(status_w),
+                repr(float(self.limits.wall_s)), self.limits.rlimit_spec(), self._drop,
+                str(bpf_fd), self.python, *self._snippet_flags, snippet]
 
     def _run_cgroup(self) -> RunCgroup | None:
         if self._cgroup_layout is None:
