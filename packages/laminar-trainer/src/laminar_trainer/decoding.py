@@ -102,14 +102,7 @@ def generate_completions(
     device = model_device(model)
     eos_tensor = torch.tensor(eos_ids, dtype=torch.long, device=device)
     batch = len(prompt_ids)
-    width = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    for row, p in enumerate(prompt_ids):
-        input_ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        attention_mask[row, width - len(p) :] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    input_ids, attention_mask, position_ids = _left_padded(prompt_ids, pad_id, device)
     past = None
     step_input, step_positions = input_ids, position_ids
     done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -143,10 +136,27 @@ def generate_completions(
             [attention_mask, torch.ones((batch, 1), dtype=torch.long, device=device)], 1
         )
     model.train(was_training)
-    token_matrix = torch.stack(tokens, 1).tolist()
-    logprob_matrix = torch.stack(token_logprobs, 1).tolist()
+    return _cut_at_stops(torch.stack(tokens, 1).tolist(),
+                         torch.stack(token_logprobs, 1).tolist(), set(eos_ids))
+
+
+def _left_padded(prompt_ids: Sequence[Sequence[int]], pad_id: int, device):
+    """``(input_ids, attention_mask, position_ids)`` of the left-padded batch; position
+    ids count real tokens only."""
+    batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, p in enumerate(prompt_ids):
+        input_ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        attention_mask[row, width - len(p) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    return input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _cut_at_stops(token_matrix: list[list[int]], logprob_matrix: list[list[float]],
+                  stops: set[int]) -> Completions:
+    """Each row up to and including its first stop id (finished), else whole."""
     result = Completions(token_ids=[], logprobs=[], finished=[])
-    stops = set(eos_ids)
     for row_tokens, row_logprobs in zip(token_matrix, logprob_matrix):
         n = next((i + 1 for i, tok in enumerate(row_tokens) if tok in stops), len(row_tokens))
         result.token_ids.append(row_tokens[:n])
