@@ -68,6 +68,7 @@ from .console import (
 )
 from .distributed import Command, DistContext
 from .feed import GroupFeed
+from .heldout import HeldOut
 from .intake import Intake
 from .publisher import Snapshot, WeightPublisher
 from .reporting import StepReporter
@@ -142,14 +143,10 @@ class TrainerService(Service):
         self._t_first_step: float | None = None
         self._wait_s = 0.0
         self._train_s = 0.0
-        self.eval_before: float | None = None
-        self.eval_after: float | None = None
-        self.eval_last: dict[str, float] = {}
-        """Every metric of the latest eval (accuracy, pass@k, length, truncation)."""
-        self._eval_step = 0
+        self.heldout = HeldOut(config, self.policy)
+        """Held-out evaluations before, during and after training (:mod:`.heldout`)."""
         self._first_step = 0
         """The step this process started at (a resumed run's checkpoint step)."""
-        self._eval_records: list[dict] | None = None
         self._filtered_last_step = 0
         """Groups dynamic sampling dropped between the previous step's ``_account`` and
         the latest one's (the step's ``groups_filtered``)."""
@@ -160,6 +157,14 @@ class TrainerService(Service):
     def model(self):
         """The policy's model (None for a simulated step)."""
         return self.policy.model
+
+    @property
+    def eval_before(self) -> float | None:
+        return self.heldout.before
+
+    @property
+    def eval_after(self) -> float | None:
+        return self.heldout.after
 
     @property
     def ended_early(self) -> str | None:
@@ -306,11 +311,9 @@ class TrainerService(Service):
 
     def _train_steps(self) -> None:
         cfg = self.config
-        if cfg.eval.prompts and self.policy.can_evaluate and self.step == 0:
-            self.eval_before = self._evaluate()
-            self.reporter.track(self.step, self.eval_last)
-            print(f"EVAL before step 0: held-out accuracy {self.eval_before:.3f}"
-                  f"{self._pass_text()}", flush=True)
+        if self.heldout.enabled and self.step == 0:
+            self.heldout.run_before(self.step)
+            self.reporter.track(self.step, self.heldout.last)
         while self.step < cfg.total_steps and not self.stopping.is_set():
             if not self._hold_for_publishing():
                 break
@@ -393,11 +396,13 @@ class TrainerService(Service):
             metrics["stream_wait_s"] = self.feed.stream_wait
         if self.records is not None:
             metrics["record_s"] = record_s
-        self._maybe_evaluate(metrics)
+        if self.heldout.due(self.step):
+            self.heldout.run(self.step)
+            metrics.update(self.heldout.last)
         self.reporter.report(metrics, result, stall,
                              elapsed=time.monotonic() - self._t_first_step,
-                             steps_run=self.step - self._first_step, eval_last=self.eval_last,
-                             eval_step=self._eval_step)
+                             steps_run=self.step - self._first_step,
+                             eval_last=self.heldout.last, eval_step=self.heldout.step)
         # After the step's row: W&B refuses anything logged at a step below one it saw.
         self.samples.maybe_log(self.step, self.version, groups)
         # Last: a checkpoint's step has its metrics and samples rows. A trainer killed
@@ -474,8 +479,8 @@ class TrainerService(Service):
         elapsed = time.monotonic() - self._t_first_step
         # The step-0 eval rides on the first step's row: a run stopped before its summary
         # (interrupted, or resumed later) still plots where it started.
-        first = {"eval_before": self.eval_before} \
-            if self.step == 1 and self.eval_before is not None else {}
+        before = self.heldout.before
+        first = {"eval_before": before} if self.step == 1 and before is not None else {}
         return {
             **first,
             "step": self.step, "version": self.version, "time": time.time(),
@@ -487,14 +492,6 @@ class TrainerService(Service):
             "groups_filtered": self._filtered_last_step, **trajectory_metrics(trajs),
             **result.stats,
         }
-
-    def _maybe_evaluate(self, metrics: dict) -> None:
-        cfg = self.config
-        # The last step's weights are evaluated once, after the loop (eval_after).
-        if cfg.eval.prompts and cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 \
-                and self.step < cfg.total_steps and self.policy.can_evaluate:
-            self._evaluate()
-            metrics.update(self.eval_last)
 
     def _check_rewards(self, groups: list[Group]) -> None:
         """See :func:`.console.check_rewards` (a run's first step only)."""
@@ -523,23 +520,6 @@ class TrainerService(Service):
         ids, self._unacked = self._unacked, []
         self.consumer.ack(ids)
 
-    def _pass_text(self) -> str:
-        k = self.config.eval.samples
-        value = self.eval_last.get(f"eval_pass_at_{k}")
-        return f", pass@{k} {value:.3f}" if value is not None else ""
-
-    def _evaluate(self) -> float:
-        """Held-out eval; returns the greedy accuracy, tracks every eval metric."""
-        from .evaluation import load_eval_records
-
-        if self._eval_records is None:
-            self._eval_records = load_eval_records(self.config.eval)
-        t0 = time.monotonic()
-        result = self.policy.evaluate(self._eval_records)
-        self.eval_last = {**result.metrics(), "eval_seconds": time.monotonic() - t0}
-        self._eval_step = self.step
-        return result.accuracy
-
     def _save_final(self) -> Path | None:
         """The trained model as a Hugging Face directory (``final_dir``, default
         ``<run_dir>/final``), with or without checkpoints; None for a simulated step."""
@@ -550,15 +530,11 @@ class TrainerService(Service):
         return path
 
     def _finish(self) -> None:
-        cfg = self.config
         self.publisher.wait_idle(timeout_s=300)
         final = self._save_final()
-        if cfg.eval.prompts and self.policy.can_evaluate:
-            self.eval_after = self._evaluate()
-            self.reporter.track(self.step, self.eval_last)
-            print(f"EVAL after step {self.step}: held-out accuracy {self.eval_after:.3f}"
-                  f"{self._pass_text()}",
-                  flush=True)
+        if self.heldout.enabled:
+            self.heldout.run_after(self.step)
+            self.reporter.track(self.step, self.heldout.last)
         summary = self.summary()
         self.reporter.track(self.step, summary, prefix="summary/")
         # Closing flushes (W&B finishes its run); before summary.json, so that its
@@ -577,8 +553,8 @@ class TrainerService(Service):
         elapsed = (time.monotonic() - self._t_first_step) if self._t_first_step else 0.0
         pub = self.publisher.stats
         return {
-            "steps": self.step, "version": self.version, "eval_before": self.eval_before,
-            "eval_after": self.eval_after, "tokens_consumed": self._tokens_consumed,
+            "steps": self.step, "version": self.version, "eval_before": self.heldout.before,
+            "eval_after": self.heldout.after, "tokens_consumed": self._tokens_consumed,
             "tokens_per_s": self._tokens_consumed / elapsed if elapsed else 0.0,
             "trainer_idle_fraction": self._wait_s / elapsed if elapsed else 0.0,
             "staleness_hist": hist,
