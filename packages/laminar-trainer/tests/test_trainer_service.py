@@ -309,16 +309,16 @@ def test_a_checkpointed_step_already_has_its_metrics_and_samples_rows(tmp_path, 
     h = Harness(tmp_path, model_dir, total_steps=4, samples={"every_steps": 1})
     seen: list[tuple[int, list[int], list[int]]] = []
     svc = h.start()
-    checkpoint = svc._checkpoint
+    checkpoint = svc.durable.checkpoint
 
-    def checked() -> None:
+    def checked(step: int, version: int) -> None:
         run = tmp_path / "run"
         rows = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
         samples = [json.loads(x)["step"] for x in (run / "samples.jsonl").read_text().splitlines()]
-        seen.append((svc.step, rows, samples))
-        checkpoint()
+        seen.append((step, rows, samples))
+        checkpoint(step, version)
 
-    svc._checkpoint = checked
+    svc.durable.checkpoint = checked
     try:
         h.send(svc, [t for p in "abcdefgh" for t in _trajs(p)])
         assert _wait(lambda: svc.finished.is_set(), 60)
