@@ -28,7 +28,8 @@ import torch
 
 from laminar_common.errors import LaminarError, PublishSuperseded
 
-__all__ = ["WeightPublisher", "Snapshot", "snapshot_model", "snapshot_state", "torch_dtype_name"]
+__all__ = ["WeightPublisher", "Snapshot", "snapshot_model", "snapshot_state", "torch_dtype_name",
+           "relay_publisher"]
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +109,15 @@ class WeightPublisher:
             (``"job 'laminar' (etcd 127.0.0.1:2379)"``).
         log_every_s: how often a wait for a master is logged.
         poll_s: how often a wait looks for a master (and at ``stop``).
+        on_close: called once the sender thread ended (closes what ``publish_fn`` uses).
     """
 
     def __init__(self, publish_fn, *, find_master: Callable[[], object] | None = None,
                  stop: threading.Event | None = None, waiting_for: str = "this job",
-                 log_every_s: float = 10.0, poll_s: float = 0.5) -> None:
+                 log_every_s: float = 10.0, poll_s: float = 0.5,
+                 on_close: Callable[[], None] | None = None) -> None:
         self._publish_fn = publish_fn
+        self._on_close = on_close
         self._find_master = find_master
         self._stop = stop if stop is not None else threading.Event()
         self._waiting_for = waiting_for
@@ -265,3 +269,30 @@ class WeightPublisher:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
+        if self._on_close is not None and not self._thread.is_alive():
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+
+def relay_publisher(config, coordinator, stop: threading.Event) -> WeightPublisher:
+    """A :class:`WeightPublisher` handing versions to the job's master relay through the
+    publish half of the relay client (:class:`~laminar_common.relay.writer.RelayPublisher`,
+    closed with it): TLS from ``auth.dir``, CURVE, deltas every
+    ``publish_delta_full_every``, and a version given up when a newer one waits."""
+    from laminar_common.auth import TlsFiles
+    from laminar_common.relay.writer import RelayPublisher
+
+    tls = TlsFiles.client_from_dir(config.auth.dir, "publisher") if config.auth.dir else None
+    client = RelayPublisher(coordinator, client_id=config.trainer_id, tls=tls,
+                            curve=config.auth.curve(), host=config.host,
+                            delta_full_every=config.publish_delta_full_every)
+    made: list[WeightPublisher] = []
+
+    def publish(version, tensors, step):
+        return client.publish(version, tensors, trainer_step=step,
+                              superseded=lambda: bool(made) and made[0].has_newer())
+
+    made.append(WeightPublisher(
+        publish, find_master=client.master, stop=stop, on_close=client.close,
+        waiting_for=f"job {config.job!r} (etcd {', '.join(config.etcd.endpoints)})"))
+    return made[0]

@@ -70,7 +70,7 @@ from .durable import AckAfterCheckpoint
 from .feed import GroupFeed
 from .heldout import HeldOut
 from .intake import Intake
-from .publisher import Snapshot, WeightPublisher
+from .publisher import Snapshot, WeightPublisher, relay_publisher
 from .reporting import StepReporter
 from .resume import begin
 from .runfiles import RunFiles, make_step_records
@@ -201,22 +201,8 @@ class TrainerService(Service):
         if self.coordinator is None:
             self.coordinator = make_coordinator(cfg.etcd, cfg.job)
         self.status = StatusWriter(self.coordinator, "trainer status")
-        find_master = None
-        if self.publish_fn is None:
-            from laminar_common.auth import TlsFiles
-            from laminar_common.relay.client import RelayClient
-
-            tls = TlsFiles.client_from_dir(cfg.auth.dir, "publisher") if cfg.auth.dir else None
-            client = RelayClient(self.coordinator, client_id=cfg.trainer_id, tls=tls,
-                                 curve=self._curve, host=cfg.host,
-                                 delta_full_every=cfg.publish_delta_full_every)
-            find_master = client.master
-            self.publish_fn = lambda version, tensors, step: client.publish(
-                version, tensors, trainer_step=step,
-                superseded=lambda: self.publisher is not None and self.publisher.has_newer())
-        self.publisher = WeightPublisher(
-            self.publish_fn, find_master=find_master, stop=self.stopping,
-            waiting_for=f"job {cfg.job!r} (etcd {', '.join(cfg.etcd.endpoints)})")
+        self.publisher = relay_publisher(cfg, self.coordinator, self.stopping) \
+            if self.publish_fn is None else WeightPublisher(self.publish_fn, stop=self.stopping)
         start = begin(cfg, self.policy, self.logs, self.resume)
         self.step, self.version = start.step, start.version
         self.durable.last_step = self._first_step = start.step
