@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import abc
 import logging
+import queue
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["Service", "ServiceState", "serve"]
+__all__ = ["Service", "ServiceState", "serve", "drain"]
 
 log = logging.getLogger(__name__)
 
@@ -195,3 +196,13 @@ def serve(prog: str, model: type, path: str | None, overrides: Sequence[str], *,
     finally:
         if ctx is not None and hasattr(ctx, "close"):
             ctx.close()
+
+
+def drain(events: queue.Queue) -> Iterator[Any]:
+    """Every item queued now, without waiting: how a service loop takes the events its
+    watch threads queued for it."""
+    while True:
+        try:
+            yield events.get_nowait()
+        except queue.Empty:
+            return

@@ -42,7 +42,7 @@ from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent, VersionRecord
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.roles import Extra, Role, State
-from laminar_common.service import Service
+from laminar_common.service import Service, drain
 from laminar_common.status import StatusWriter
 from laminar_common.transport import (
     PullReceiver,
@@ -239,11 +239,7 @@ class ManagerService(Service):
             self._log_progress()
 
     def _drain_events(self) -> None:
-        while True:
-            try:
-                kind, payload = self._events.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in drain(self._events):
             if kind == "latest":
                 assert isinstance(payload, VersionRecord)
                 self._release_resume_hold(payload)

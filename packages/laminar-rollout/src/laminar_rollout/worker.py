@@ -54,7 +54,7 @@ from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.net import is_wildcard
 from laminar_common.roles import Extra, Role
-from laminar_common.service import Service
+from laminar_common.service import Service, drain
 from laminar_common.transport import Client, make_client
 
 from .config import WorkerConfig
@@ -324,11 +324,7 @@ class WorkerService(Service):
             self.timeline.append((round(time.time() - self._t_start, 4), state))
 
     def _drain_events(self) -> None:
-        while True:
-            try:
-                kind, payload = self._events.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in drain(self._events):
             if kind == "trainer":
                 assert isinstance(payload, MembershipEvent)
                 if payload.kind == "put" and payload.record is not None:

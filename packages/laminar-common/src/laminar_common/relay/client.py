@@ -55,37 +55,9 @@ __all__ = ["RelayClient", "RelayConnection", "RelayPublisher", "RelayReader", "P
 class RelayClient(RelayPublisher, RelayReader):
     """Publishes to and fetches from the relay tier of one job.
 
-    Args:
-        coordinator: the job's coordinator, used read-only to find relays,
-            the master and the latest version (the client does not register).
-        address: instead of a coordinator, one relay's gRPC ``host:port``
-            (used as master and as the only read source).
-        client_id: names this client in relay logs and reader leases.
-        host: this machine's host id (:func:`~laminar_common.net.host_identity`), to
-            recognise same-host relays (default: this machine's).
-        chunk_bytes: chunk size of published versions.
-        rpc_timeout_s: deadline of each short control call.
-        publish_timeout_s: total time a publish may take, retries included.
-        failover_wait_s: after a master fails, how long to wait for another
-            relay to win the election before trying the same one again.
-        hash_threads: threads checksumming chunks while they are sent.
-        send_timeout_s: a chunk the master does not take within this fails the
-            attempt (how long a publish notices a master that died mid-send).
-        use_shared_memory: map a same-host relay's memory instead of streaming.
-        tls: CA (and client certificate for mutual TLS) to reach relays over TLS.
-        curve: CURVE keys for the weight data plane (a publisher pushes chunks over it).
-        delta_full_every: 0 publishes every version in full. K > 0 publishes a
-            version as a delta against the one this client published before
-            (:mod:`laminar_common.relay.delta`), with a full version every K
-            versions, and also whenever the master relay changed, the layout
-            changed, or the delta would be at least half the full version's
-            bytes (``publish(full=True)`` asks for one). Costs one host copy of
-            the published version, kept as the next delta's base.
-        probe_timeout_s: before a read that may wait at its first relay, that relay
-            must answer a health call within this; one that does not (paused, cut off)
-            is left out of the read (where another relay is there to read from).
-
     Both halves: :class:`~laminar_common.relay.writer.RelayPublisher` (publish) and
     :class:`~laminar_common.relay.reader.RelayReader` (fetch), over one
-    :class:`~laminar_common.relay._connection.RelayConnection`.
+    :class:`~laminar_common.relay._connection.RelayConnection`, whose arguments it
+    takes (``coordinator`` or ``address``, ``client_id``, ``host``, ``chunk_bytes``,
+    timeouts, ``tls``, ``curve``, ``delta_full_every``, ...).
     """
