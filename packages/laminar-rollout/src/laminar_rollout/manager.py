@@ -27,7 +27,6 @@ import json
 import logging
 import queue
 import time
-from dataclasses import dataclass, field
 
 from laminar_common import codec
 from laminar_common.codec import (
@@ -54,10 +53,11 @@ from laminar_common.transport import (
 
 from .config import ManagerConfig
 from .feedback import TrainerFeedback
-from .ledger import ACKED, DONE, PENDING, TrajectoryLedger
-from .manager_state import StateFile
+from .ledger import ACKED, DONE, TrajectoryLedger
+from .manager_state import ResumeHold, StateFile
 from .prompts import PromptCursor, load_prompt_file
-from .repack import KvLifecycle, WorkerLoad, plan_repack
+from .repack import WorkerLoad, plan_repack
+from .roster import Roster, WorkerState
 from .scheduling import Admission, WorkerView, plan_barrier, plan_dispatch, required_version
 from .telemetry import ManagerStats, manager_metrics
 from .version import __version__
@@ -66,34 +66,6 @@ __all__ = ["ManagerService"]
 
 log = logging.getLogger(__name__)
 
-RESUME_HOLD_SAY_EVERY_S = 60.0
-"""A resumed manager holding new work for the resumed weights says so this often."""
-
-
-@dataclass
-class WorkerState:
-    worker_id: str
-    version: int = -1
-    capacity: int = 0
-    active: int = 0
-    queued: int = 0
-    kv_used: int = 0
-    kv_capacity: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-    pulling: int | None = None
-    kv: KvLifecycle = field(default_factory=KvLifecycle)
-    """KV use since the worker was last given work: repack empties it in its fall."""
-    trainer_down_s: float = 0.0
-    """How long its link to the trainer has been down, as it last reported (0.0: up)."""
-
-
-@dataclass
-class Recovery:
-    """A lost worker's trajectories on their way back to live workers."""
-
-    worker_id: str
-    last_seen: float
-    ids: set[str]
 
 
 class ManagerService(Service):
@@ -110,27 +82,20 @@ class ManagerService(Service):
         self.cursor = PromptCursor(self.records, config.epochs, config.max_prompts,
                                    shuffle=config.data.shuffle, seed=config.data.seed)
         self.sampling = SamplingSpec(**config.sampling.model_dump())
-        self.workers: dict[str, WorkerState] = {}
         self.latest = 0
         self._trainer_step = 0
         """The trainer's step at its latest published version (what ``max_waiting`` counts
         as consumed)."""
         self.batch = -1
-        self._resume_hold: tuple[int, float] | None = None
-        """After ``--resume``: (the newest version this manager had seen, when it saved).
-        No new work goes out until the weights workers load are the running trainer's: a
-        version published after that save, or a trainer alive since before it (only this
-        manager restarted). Until then the workers hold their initial weights (or a dead
-        trainer's, rolled back by its resume), and what they generated would be older than
-        any staleness bound."""
-        self._resume_hold_said = 0.0
+        self.resume_hold = ResumeHold()
+        """After ``--resume``: no new work until the running trainer's weights (:mod:`.manager_state`)."""
         self.state_file = StateFile(config)
         """``state_dir/manager_state.json`` (:mod:`.manager_state`)."""
         restored = self.state_file.restore(self.records, self.sampling) if resume else None
         if restored is not None:
             self.cursor, self.batch, self.ledger = restored.cursor, restored.batch, \
                 restored.ledger
-            self._resume_hold = restored.hold
+            self.resume_hold = ResumeHold(restored.hold)
         self.stats = ManagerStats()
         self.feedback = TrainerFeedback(self.ledger, self.stats, self._send,
                                         lambda: list(self.workers), self._refill,
@@ -138,11 +103,11 @@ class ManagerService(Service):
         """The trainer's acks, rejections and filtered groups (:mod:`.feedback`)."""
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._migrations: dict[str, tuple[str, float]] = {}
-        self._recoveries: list[Recovery] = []
-        self._still_cut: dict[str, float] = {}
-        """Workers let go as cut off from the trainer, until they report their link back."""
+        self.roster = Roster(config.worker_timeout_s, self.ledger, self.stats,
+                             lambda wid: self.server.forget(wid), self._migrations)
+        """The connected workers, lost ones and recoveries (:mod:`.roster`)."""
+        self.workers = self.roster.workers
         self._last_repack = time.monotonic()
-        self._last_expiry_check = time.monotonic()
         self._last_log = 0.0
         self._last_ledger_log = 0.0
         self._drained_announced = False
@@ -172,15 +137,8 @@ class ManagerService(Service):
         if latest is not None:
             self.latest = latest.version
             self._trainer_step = _trainer_step(latest)
-        if self._resume_hold is not None:
-            self._resume_hold_said = time.monotonic()
-            self._release_resume_hold(latest)
-            self._release_if_the_trainer_lived()
-            if self._resume_hold is not None:
-                log.warning("resumed: no new work until the trainer publishes its resumed "
-                            "weights (this manager had seen v%d; etcd has %s)",
-                            self._resume_hold[0],
-                            "none" if latest is None else f"v{latest.version}")
+        if self.resume_hold.holding:
+            self.resume_hold.start(latest, self.coordinator.members(Role.TRAINER))
         extra = {Extra.ACK: ack_address, Extra.MODE: self.config.mode, Extra.READY: "1"}
         if self.config.metrics.port is not None:
             self.metrics = MetricsServer(Role.MANAGER, self.config.job, self.config.manager_id,
@@ -230,10 +188,10 @@ class ManagerService(Service):
                 else:
                     self.feedback.acked(ack)
                 ack = self.acks.recv(timeout_s=0)
-            self._expire_silent_workers()
+            self.roster.expire_silent()
             self._schedule()
-            if self._recoveries:
-                self._settle_recoveries()
+            if self.roster.recoveries:
+                self.roster.settle_recoveries()
             self._maybe_repack()
             self._write_state()
             self._log_progress()
@@ -242,7 +200,7 @@ class ManagerService(Service):
         for kind, payload in drain(self._events):
             if kind == "latest":
                 assert isinstance(payload, VersionRecord)
-                self._release_resume_hold(payload)
+                self.resume_hold.published(payload)
                 if payload.version > self.latest:
                     self.latest = payload.version
                     self._trainer_step = max(self._trainer_step, _trainer_step(payload))
@@ -252,7 +210,7 @@ class ManagerService(Service):
                 if payload.kind == "delete" and payload.member_id in self.workers:
                     silent = time.monotonic() - self.workers[payload.member_id].last_seen
                     if silent > self.config.lease_grace_s:
-                        self._worker_lost(payload.member_id,
+                        self.roster.lost(payload.member_id,
                                           f"lease expired, silent for {silent:.1f}s")
                     else:
                         # It talks to us but not to etcd: etcd paused or partitioned from
@@ -261,51 +219,17 @@ class ManagerService(Service):
                         log.warning("worker %s: lease expired but it was heard from %.1fs ago; "
                                     "keeping it (etcd paused?)", payload.member_id, silent)
 
-    def _release_resume_hold(self, record: VersionRecord | None) -> None:
-        """End the hold after ``--resume`` (see ``_resume_hold``) once ``record`` was
-        published after this manager's last save (the running trainer's weights)."""
-        if self._resume_hold is None or record is None:
-            return
-        if record.published_at > self._resume_hold[1]:
-            self._resume_hold = None
-            log.info("resumed: new work goes out at v%d", record.version)
-
-    def _release_if_the_trainer_lived(self) -> None:
-        """At start (one etcd read): a trainer registered since before this manager's last
-        save is the one that published what etcd holds; only the manager restarted, and a
-        trainer waiting for data would publish nothing new to end the hold."""
-        if self._resume_hold is None:
-            return
-        saved_at = self._resume_hold[1]
-        lived = [m for m in self.coordinator.members(Role.TRAINER).values()
-                 if m.started_at < saved_at]
-        if lived:
-            self._resume_hold = None
-            log.info("resumed: trainer %s ran all along (since before the last save); new "
-                     "work goes out at v%d", lived[0].member_id, self.latest)
-
-    def _holding_for_resume(self) -> bool:
-        if self._resume_hold is None:
-            return False
-        now = time.monotonic()
-        if now - self._resume_hold_said >= RESUME_HOLD_SAY_EVERY_S:
-            self._resume_hold_said = now
-            log.warning("resumed: still holding new work until the trainer publishes its "
-                        "resumed weights (this manager had seen v%d; latest v%d)",
-                        self._resume_hold[0], self.latest)
-        return True
-
     def _handle(self, peer: str, msg: codec.Message) -> None:
         if isinstance(msg, codec.Hello):
             if peer in self.workers:
                 # A restarted worker with the same id: whatever it held is gone. (The
                 # socket keeps the hello it just accepted: forgetting it would refuse
                 # the new incarnation's reports.)
-                self._worker_lost(peer, "reconnected", forget=False)
+                self.roster.lost(peer, "reconnected", forget=False)
             # One this manager let go as cut off from the trainer gets no work until it
             # reports its link back (its hello carries no link state).
             self.workers[peer] = WorkerState(peer, capacity=msg.capacity,
-                                             trainer_down_s=self._still_cut.get(peer, 0.0))
+                                             trainer_down_s=self.roster.still_cut.get(peer, 0.0))
             log.info("worker %s joined (capacity %d)", peer, msg.capacity)
             return
         w = self.workers.get(peer)
@@ -358,7 +282,7 @@ class ManagerService(Service):
         w.kv.observe(msg.kv_used_tokens if msg.kv_capacity_tokens > 0 else msg.active)
         w.trainer_down_s = msg.trainer_down_s
         if not msg.trainer_down_s:
-            self._still_cut.pop(w.worker_id, None)
+            self.roster.still_cut.pop(w.worker_id, None)
         if w.pulling is not None and msg.policy_version >= w.pulling:
             w.pulling = None
         for tid in msg.done:
@@ -383,75 +307,11 @@ class ManagerService(Service):
             log.warning("cannot reach worker %s: %s", worker, exc)
             return False
 
-    def _expire_silent_workers(self) -> None:
-        now = time.monotonic()
-        gap, self._last_expiry_check = now - self._last_expiry_check, now
-        if gap > 1.0:
-            # This loop itself did not run (the manager was paused or starved): the
-            # workers were not silent, we were not listening. Their queued messages
-            # arrive over the next moments, so count their silence from now.
-            for w in self.workers.values():
-                w.last_seen = max(w.last_seen, now)
-            log.warning("the manager's loop stalled for %.1fs; not counting it as worker "
-                        "silence", gap)
-            return
-        for wid, w in list(self.workers.items()):
-            if now - w.last_seen > self.config.worker_timeout_s:
-                self._worker_lost(wid, f"silent for {now - w.last_seen:.1f}s")
-        self._expire_cut_off_workers()
-
-    def _cut_off(self) -> set[str]:
-        """Workers that report no link to the trainer while another worker has one: cut
-        off from it (a partition), not a trainer that is gone (then every worker says so
-        and the outboxes deliver to its next incarnation)."""
-        down = {wid for wid, w in self.workers.items() if w.trainer_down_s > 0}
-        return down if len(down) < len(self.workers) else set()
-
-    def _expire_cut_off_workers(self) -> None:
-        """A worker cut off from the trainer for ``worker_timeout_s`` cannot deliver what it
-        finished: its work is generated again elsewhere (its copies, if the link heals, are
-        refused by id at the trainer), and it gets no new work until its link is back."""
-        for wid in self._cut_off():
-            w = self.workers[wid]
-            if w.trainer_down_s > self.config.worker_timeout_s and (
-                    self.ledger.assigned(wid) or self.ledger.finished_unacked(wid)):
-                self.stats.workers_cut_off += 1
-                self._still_cut[wid] = w.trainer_down_s
-                self._worker_lost(wid, f"no link to the trainer for {w.trainer_down_s:.1f}s "
-                                       "while other workers reach it")
-
-    def _worker_lost(self, worker_id: str, why: str, forget: bool = True) -> None:
-        w = self.workers.pop(worker_id, None)
-        if forget:
-            self.server.forget(worker_id)
-        resumable, again = self.ledger.worker_lost(worker_id)
-        for tid in resumable + again:  # lost with the source: not a migration any more
-            self._migrations.pop(tid, None)
-        self.ledger.restart_unresumable({w.version for w in self.workers.values()})
-        self.stats.workers_lost += 1
-        last_seen = w.last_seen if w is not None else time.monotonic()
-        self._recoveries.append(Recovery(worker_id, last_seen, set(resumable + again)))
-        self._settle_recoveries()
-        log.warning("worker %s lost (%s): %d trajectories resumable, %d to generate again",
-                    worker_id, why, len(resumable), len(again))
-
-    def _settle_recoveries(self) -> None:
-        """Close the recoveries whose trajectories all left ``pending``."""
-        now = time.monotonic()
-        for rec in list(self._recoveries):
-            rec.ids = {t for t in rec.ids if (e := self.ledger.entries.get(t)) is not None
-                       and e.state == PENDING}
-            if not rec.ids:
-                self._recoveries.remove(rec)
-                self.stats.recovery_seconds.append(now - rec.last_seen)
-                log.info("worker %s recovered: its work is running again %.2fs after it was "
-                         "last heard from", rec.worker_id, now - rec.last_seen)
-
     # -- scheduling -------------------------------------------------------------
 
     def _views(self) -> list[WorkerView]:
         """The workers new work may go to: not those cut off from the trainer."""
-        cut_off = self._cut_off()
+        cut_off = self.roster.cut_off()
         return [WorkerView(w.worker_id, w.version, w.capacity, self.ledger.assigned(w.worker_id),
                            w.pulling) for w in self.workers.values()
                 if w.version >= 0 and w.worker_id not in cut_off]
@@ -488,7 +348,7 @@ class ManagerService(Service):
         views = self._views()
         if not views:
             return
-        if self.config.mode == "laminar" and self._holding_for_resume():
+        if self.config.mode == "laminar" and self.resume_hold.check(self.latest):
             return
         if self.ledger.pending_resumable():
             self._place_resumables(views)
@@ -616,7 +476,7 @@ class ManagerService(Service):
             "cursor": self.cursor.state(),
             "batch": self.batch,
             "prompts_exhausted": self.cursor.exhausted(),
-            "holding_for_resume": self._resume_hold is not None,
+            "holding_for_resume": self.resume_hold.holding,
             "settled": self.ledger.settled(),
             "settled_below": self.ledger.settled_below,
             "compacted_groups": self.ledger.compacted_groups,
@@ -642,7 +502,7 @@ class ManagerService(Service):
             self._drained_announced = True
             print("MANAGER DRAINED " + json.dumps(s, sort_keys=True), flush=True)
     def _write_state(self, force: bool = False) -> None:
-        self.state_file.write(self.summary(), self.ledger, self.latest, self._resume_hold,
+        self.state_file.write(self.summary(), self.ledger, self.latest, self.resume_hold.hold,
                               force=force)
 
 

@@ -17,14 +17,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar_common.errors import LaminarError
+from laminar_common.membership import MemberRecord, VersionRecord
 
 from .config import ManagerConfig
 from .ledger import TrajectoryLedger
 from .prompts import PromptCursor, check_resume
 
-__all__ = ["Restored", "StateFile"]
+__all__ = ["Restored", "StateFile", "ResumeHold", "RESUME_HOLD_SAY_EVERY_S"]
 
 log = logging.getLogger(__name__)
+
+RESUME_HOLD_SAY_EVERY_S = 60.0
+"""A resumed manager holding new work for the resumed weights says so this often."""
 
 
 @dataclass
@@ -111,3 +115,64 @@ class StateFile:
         with open(tmp, "w") as fh:
             json.dump(data, fh)
         os.replace(tmp, path)
+
+
+class ResumeHold:
+    """After ``--resume``: no new work until the weights workers load are the running
+    trainer's, a version published after the last save, or a trainer alive since before
+    it (only the manager restarted). Until then the workers hold their initial weights
+    (or a dead trainer's, rolled back by its resume), and what they generated would be
+    older than any staleness bound.
+
+    Args:
+        hold: (the newest version the saved manager had seen, when it saved); None: no
+            hold.
+    """
+
+    def __init__(self, hold: tuple[int, float] | None = None) -> None:
+        self.hold = hold
+        self._said = 0.0
+
+    @property
+    def holding(self) -> bool:
+        return self.hold is not None
+
+    def start(self, latest: VersionRecord | None, trainers: dict[str, MemberRecord]) -> None:
+        """At start (one etcd read): end the hold if etcd's latest version came after the
+        save, or a trainer registered since before it (it published what etcd holds, and a
+        trainer waiting for data would publish nothing new to end the hold)."""
+        if self.hold is None:
+            return
+        self._said = time.monotonic()
+        self.published(latest)
+        if self.hold is not None:
+            lived = [m for m in trainers.values() if m.started_at < self.hold[1]]
+            if lived:
+                self.hold = None
+                log.info("resumed: trainer %s ran all along (since before the last save); "
+                         "new work goes out at v%s", lived[0].member_id,
+                         "?" if latest is None else latest.version)
+        if self.hold is not None:
+            log.warning("resumed: no new work until the trainer publishes its resumed "
+                        "weights (this manager had seen v%d; etcd has %s)", self.hold[0],
+                        "none" if latest is None else f"v{latest.version}")
+
+    def published(self, record: VersionRecord | None) -> None:
+        """A version was published: the hold ends if after the save."""
+        if self.hold is None or record is None:
+            return
+        if record.published_at > self.hold[1]:
+            self.hold = None
+            log.info("resumed: new work goes out at v%d", record.version)
+
+    def check(self, latest: int) -> bool:
+        """Still holding (said every ``RESUME_HOLD_SAY_EVERY_S``)."""
+        if self.hold is None:
+            return False
+        now = time.monotonic()
+        if now - self._said >= RESUME_HOLD_SAY_EVERY_S:
+            self._said = now
+            log.warning("resumed: still holding new work until the trainer publishes its "
+                        "resumed weights (this manager had seen v%d; latest v%d)",
+                        self.hold[0], latest)
+        return True
