@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import logging
 import queue
-import sys
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -46,8 +45,7 @@ from typing import Any
 import msgspec
 
 from laminar_common import codec
-from laminar_common.codec import PartialProgress, PromptTask, Trajectory, WorkerReport
-from laminar_common.consume.validation import MAX_DATA_SOURCE_CHARS
+from laminar_common.codec import PartialProgress, PromptTask, WorkerReport
 from laminar_common.errors import ConfigError, LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
@@ -65,9 +63,11 @@ from .engines.base import KVState
 from .engines.kv_wire import kv_from_wire
 from .kv_migration import KvMigration
 from .outbox import Outbox
+from .partials import ProgressDeltas
 from .relay_fetch import FetchedVersion, WeightFetcher
 from .rewards import RewardFn, RewardPool, load_reward_fn
-from .telemetry import FULL_PROGRESS_EVERY, worker_metrics
+from .scoring import Scoring, engine_label
+from .telemetry import worker_metrics
 from .tokenizer import Tokenizer
 from .version import __version__
 from .weight_sync import WeightSync
@@ -76,29 +76,6 @@ __all__ = ["WorkerService", "WeightFetcher", "FetchedVersion"]
 
 log = logging.getLogger(__name__)
 
-
-
-def engine_label(engine: object) -> str:
-    """``"TorchEngine torch 2.13.0+cpu"``: the engine's class and, for the built-in ones,
-    its library's version (what a step record says generated a trajectory)."""
-    name = type(engine).__name__
-    library = {"TorchEngine": "torch", "VllmEngine": "vllm"}.get(name)
-    version = getattr(sys.modules.get(library or ""), "__version__", "") if library else ""
-    return f"{name} {library} {version}" if version else name
-
-
-def _data_source(task: PromptTask) -> str:
-    """The task's ``metadata["data_source"]`` (verl-format rows have one) when it is a
-    string the trainer accepts, else "" (a longer one is logged: the trainer would
-    refuse the trajectory for it)."""
-    value = task.metadata.get("data_source")
-    if not isinstance(value, str):
-        return ""
-    if len(value) > MAX_DATA_SOURCE_CHARS:
-        log.warning("prompt %s: data_source of %d characters is longer than %d; sent as ''",
-                    task.prompt_id, len(value), MAX_DATA_SOURCE_CHARS)
-        return ""
-    return value
 
 
 class WorkerService(Service):
@@ -113,7 +90,6 @@ class WorkerService(Service):
         self.config = config
         self.worker_id = config.worker_id
         self.engine = engine
-        self._engine_label = engine_label(engine)
         self.tokenizer = tokenizer
         self.counters: collections.Counter[str] = collections.Counter()
         self.kv = KvMigration(config, engine, self.counters, auth=config.auth.curve())
@@ -124,8 +100,8 @@ class WorkerService(Service):
         self.reward_fn = reward_fn or load_reward_fn(config.reward)
         self.rewards = RewardPool(self.reward_fn, workers=config.reward_workers,
                                   timeout_s=config.reward_timeout_s)
-        self._scoring: dict[str, tuple[PromptTask, Completed]] = {}
-        """Generated, waiting for the reward pool: still held (reported), not yet pushed."""
+        self.scoring = Scoring(config.worker_id, self.rewards, engine_label(engine))
+        """Finished generations until scored, then trajectories (:mod:`.scoring`)."""
         self.conversations = make_conversations(
             config.environment, tokenizer, reuse_kv=engine.supports_kv_transfer) \
             if config.environment is not None else None
@@ -143,12 +119,8 @@ class WorkerService(Service):
         self._fresh: collections.deque[PromptTask] = collections.deque()
         self._done_since_report: list[str] = []
         self._last_report = 0.0
-        # Progress the current manager holds: trajectory id -> tokens sent. Reports carry
-        # only what is new, and everything every ``FULL_PROGRESS_EVERY`` reports or when
-        # the manager (connection) changes.
-        self._progress_sent: dict[str, int] = {}
-        self._progress_to: Client | None = None
-        self._reports = 0
+        self.partials = ProgressDeltas(config.worker_id, self.counters)
+        """Unfinished trajectories' tokens the manager does not have yet (:mod:`.partials`)."""
         self.outbox = Outbox(config.resend_after_s, self.counters, auth=self._curve)
         """Finished trajectories until the trainer's durable ack (:mod:`.outbox`)."""
         self.busy_s = 0.0
@@ -231,7 +203,7 @@ class WorkerService(Service):
 
     def _metrics(self) -> list[Metric]:
         return worker_metrics(self.counters, self._last_load, engine=self.engine,
-                              rewards=self.rewards, scoring=len(self._scoring),
+                              rewards=self.rewards, scoring=len(self.scoring.waiting),
                               kv_plane=self.kv.plane, outbox=self.outbox,
                               weight_wait_s=self.weights.wait_s, busy_s=self.busy_s)
 
@@ -277,7 +249,7 @@ class WorkerService(Service):
                 continue
             busy = self.engine.has_unfinished()
             wait = 0.0 if busy or self._fresh else \
-                (0.002 if self._scoring or self._between_turns or self.kv.waiting else 0.02)
+                (0.002 if self.scoring.waiting or self._between_turns or self.kv.waiting else 0.02)
             msg = self.manager.recv(timeout_s=wait)
             while msg is not None:
                 self._handle(msg)
@@ -303,7 +275,7 @@ class WorkerService(Service):
             else:
                 self._mark("idle")
             self._next_turns()
-            self._collect_rewards()
+            self._collect_scored()
             self._report(force=self._refill_due())
             self.outbox.tick()
 
@@ -457,13 +429,13 @@ class WorkerService(Service):
                 self.conversations.drop(out.request_id)
             return
         if self.conversations is None:
-            self._score(task, Completed.single_turn(out, self.tokenizer.decode(out.token_ids)))
+            self.scoring.submit(task, Completed.single_turn(out, self.tokenizer.decode(out.token_ids)))
             return
         done = self.conversations.turn_ended(out)
         if done is None:
             self._between_turns[task.trajectory_id] = task
         else:
-            self._score(task, done)
+            self.scoring.submit(task, done)
 
     def _next_turns(self) -> None:
         """Environments that answered: next turns into the engine, finished conversations
@@ -479,41 +451,16 @@ class WorkerService(Service):
                 log.warning("next turn of %s refused by the engine (%s): it ends here",
                             task.trajectory_id, exc)
                 self.counters["turn_refused"] += 1
-                self._score(task, self.conversations.end(task.trajectory_id))
+                self.scoring.submit(task, self.conversations.end(task.trajectory_id))
                 continue
             self._tasks[task.trajectory_id] = task
         for task, completed in done:
             self._between_turns.pop(task.trajectory_id, None)
-            self._score(task, completed)
+            self.scoring.submit(task, completed)
 
-    def _score(self, task: PromptTask, completed: Completed) -> None:
-        self._scoring[task.trajectory_id] = (task, completed)
-        prompt = [dict(m) for m in task.messages] if task.messages else task.prompt
-        self.rewards.submit(task.trajectory_id, prompt, completed.text, task.metadata)
-
-    def _collect_rewards(self) -> None:
-        for tid, reward, error in self.rewards.poll():
-            entry = self._scoring.pop(tid, None)
-            if entry is None:  # dropped meanwhile (a rejoin cannot drop these; defensive)
-                log.warning("reward for %s arrived but the trajectory is gone", tid)
-                continue
-            task, out = entry
-            if error is not None:
-                self.counters["reward_errors"] += 1
-                log.warning("reward function failed on %s: %s", tid, error)
-            traj = Trajectory(
-                trajectory_id=task.trajectory_id, prompt_id=task.prompt_id,
-                group_size=task.group_size, sample_index=task.sample_index,
-                worker_id=self.worker_id, policy_version=out.policy_version,
-                prompt_token_ids=out.prompt_token_ids,
-                response_token_ids=out.response_token_ids,
-                behaviour_logprobs=out.behaviour_logprobs,
-                reward=reward + out.env_reward, finish_reason=out.finish_reason,
-                reward_error=error, completion=out.completion, simulated=out.simulated,
-                group_seq=task.group_seq, settled_below=task.settled_below,
-                sampling=task.sampling, data_source=_data_source(task),
-                observation_spans=out.observation_spans, engine=self._engine_label,
-            )
+    def _collect_scored(self) -> None:
+        """Scored trajectories: reported done and into the outbox (pushed now)."""
+        for traj in self.scoring.collect(self.counters):
             self._done_since_report.append(traj.trajectory_id)
             self.counters["finished"] += 1
             self.outbox.add(traj)
@@ -552,11 +499,14 @@ class WorkerService(Service):
         self._last_report = now
         load = self._last_load = self.engine.load()
         full = len(self.outbox) >= self.config.outbox_capacity
-        batched, extra = self._progress()
+        # A conversation with tool results in it is generated again if this worker dies.
+        pinned = self.conversations.pinned if self.conversations is not None else None
+        batched, extra = self.partials.since_last(self.manager, self.engine.progress(),
+                                                  skip=pinned or (lambda _: False))
         try:
             self._send_report(load, full, batched, extra)
         except TransportError:
-            self._progress_sent = {}  # what was lost is sent again, whole, next time
+            self.partials.lost()
             raise
 
     def _send_report(self, load: Any, full: bool, batched: tuple[PartialProgress, ...],
@@ -566,7 +516,7 @@ class WorkerService(Service):
             active=load.active, queued=load.queued + len(self._fresh),
             max_batch=0 if full else load.max_batch, kv_used_tokens=load.kv_used_tokens,
             kv_capacity_tokens=load.kv_capacity_tokens,
-            holding=tuple(self._tasks) + tuple(self._scoring) + tuple(self._between_turns)
+            holding=tuple(self._tasks) + tuple(self.scoring.waiting) + tuple(self._between_turns)
             + tuple(self.kv.waiting),
             done=tuple(self._done_since_report), progress=batched,
             trainer_down_s=round(self.outbox.down_s, 2),
@@ -575,41 +525,8 @@ class WorkerService(Service):
         for p in extra:
             self.manager.send(p)
 
-    def _progress(self) -> tuple[tuple[PartialProgress, ...], list[PartialProgress]]:
-        """The unfinished trajectories' tokens the manager does not have yet: those that fit
-        one report frame (``_PROGRESS_TOKENS_PER_REPORT``) and the rest, one message each."""
-        if self._progress_to is not self.manager or self._reports % FULL_PROGRESS_EVERY == 0:
-            self._progress_sent = {}  # a new manager connection, or a periodic full report
-            self._progress_to = self.manager
-        self._reports += 1
-        sent, self._progress_sent = self._progress_sent, {}
-        batched: list[PartialProgress] = []
-        extra: list[PartialProgress] = []
-        budget = _PROGRESS_TOKENS_PER_REPORT
-        for p in self.engine.progress():
-            if self.conversations is not None and self.conversations.pinned(p.request_id):
-                continue  # tool results in it: it is generated again if this worker dies
-            n = len(p.token_ids)
-            have = sent.get(p.request_id, 0)
-            if have > n:
-                have = 0
-            self._progress_sent[p.request_id] = n
-            if n == have:
-                continue
-            msg = PartialProgress(
-                trajectory_id=p.request_id, worker_id=self.worker_id,
-                policy_version=p.policy_version, token_ids=tuple(p.token_ids[have:]),
-                logprobs=tuple(p.logprobs[have:]), offset=have)
-            budget -= n - have
-            (batched if budget >= 0 else extra).append(msg)
-            self.counters["progress_tokens"] += n - have
-        return tuple(batched), extra
-
-
 _MIN_EARLY_REPORT_S = 0.01
 """Early reports (``refill_fraction``) come at most this often."""
-_PROGRESS_TOKENS_PER_REPORT = 1 << 20
-"""Progress tokens batched into one report (~10 MB); more go as messages of their own."""
 
 
 def _without_resume(task: PromptTask) -> PromptTask:
