@@ -41,8 +41,12 @@ def test_publish_async_hands_off_in_order(make_relay, make_client):
 def test_fetch_falls_back_to_the_master_when_the_local_relay_lacks_the_version(
     make_relay, make_client
 ):
-    master = make_relay("m")
-    local = make_relay("l", chain={"max_forward_bytes_per_s": 1024 * 1024})
+    # The master forwards at 1 MiB/s (its forwarder paces the link to the follower): the
+    # 3 MiB version reaches the follower seconds after the publish returns. (The pace was
+    # set on the follower, whose own forwarder has no downstream: the version could
+    # arrive before the check below.)
+    master = make_relay("m", chain={"max_forward_bytes_per_s": 1024 * 1024})
+    local = make_relay("l")
     # The follower is far behind: make sure the client asks it first ("same host").
     client = make_client()
     wait_for(lambda: master.forwarder.downstream is not None)

@@ -12,7 +12,8 @@ from relay_helpers import tensors_for, wait_for
 from laminar_common.errors import TransportError
 from laminar_common.relay.manifests import build_manifest
 from laminar_common.relay.wire import NotMasterError, VersionNotFoundError
-from laminar_relay.service import RelayService, _refuses
+from laminar_relay.election import _refuses
+from laminar_relay.service import RelayService
 
 
 def holders(relays, version):
@@ -127,7 +128,7 @@ def test_a_master_that_lost_the_election_cannot_make_a_version_visible(etcd, mak
     wait_for(lambda: standby.is_master)
     manifest = build_manifest(5, tensors_for(5))[0]
     with pytest.raises(NotMasterError, match="no longer the master"):
-        old._make_visible(manifest)
+        old.position.make_visible(manifest)
     latest = make_client().latest()
     assert latest is None or latest.version != 5
 

@@ -44,15 +44,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from laminar_common.auth import CurveAuth, TlsFiles, grpc_channel, grpc_server_credentials
-from laminar_common.codec import PROTOCOL_VERSION, WeightManifest
+from laminar_common.codec import PROTOCOL_VERSION
 from laminar_common.errors import (
-    CoordinationError,
-    EtcdUnavailableError,
-    FencedError,
     LaminarError,
     TransportError,
 )
-from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent, VersionRecord
+from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.net import host_identity, is_wildcard
 from laminar_common.relay.dataplane import ChunkFrame, ZmqChunkReceiver
@@ -61,16 +58,14 @@ from laminar_common.relay.wire import (
     EXTRA_DATA_ENDPOINT,
     EXTRA_STORE,
     GRPC_OPTIONS,
-    MASTER_ELECTION,
     RELAY_ROLE,
-    NotMasterError,
-    VersionConflictError,
 )
 from laminar_common.roles import Extra
 from laminar_common.service import Service
 
-from .chain import ChainForwarder, neighbours, order_chain
+from .chain import ChainForwarder
 from .config import RelayConfig
+from .election import ChainPosition
 from .memory import make_allocator
 from .server import RelayServicer
 from .store import UnknownSessionError, WeightStore
@@ -85,20 +80,6 @@ _SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
 _LOG_FIRST = 20
 _RPC_TIMEOUT_S = 10.0
 """Deadline of a control call to another relay."""
-
-
-def _refuses(address: str, timeout_s: float = 1.0) -> bool:
-    """Whether ``host:port`` actively refuses a TCP connection (nothing listens there).
-    A timeout or an unreachable host is not a refusal: a paused or cut-off process looks
-    like that, and only its lease may decide it is gone."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def default_member_id() -> str:
@@ -154,18 +135,12 @@ class RelayService(Service):
         self.store_backend = cfg.store.backend
         self._control_interval_s = cfg.chain.control_interval_s or max(0.2, cfg.etcd.ttl_s / 3)
         self._rpc_timeout_s = _RPC_TIMEOUT_S
-        self.takeovers = 0
-        """Times this relay revoked a dead master's lease to take over."""
         self.address = ""
         self.data_endpoint = ""
-        self.is_master = False
-        self.master_id: str | None = None
-        self.chain: list[str] = []
-        self.upstream_id = ""
-        self._probe_target: tuple[str, str, int] | None = None
-        """(master id, its address, the election key's lease) for the master probe, when
-        this relay is the one after the master in the chain."""
         self._wake = threading.Event()
+        self.position = ChainPosition(coordinator, member_id, self._set_downstream, self._wake,
+                                      cfg.chain.master_probe_interval_s)
+        """The master election, the chain and the master probe (:mod:`.election`)."""
         self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
         self._channels_lock = threading.Lock()
         self._chunk_rejects: dict[str, int] = {}
@@ -195,8 +170,8 @@ class RelayService(Service):
             max_bytes_per_s=chain.max_forward_bytes_per_s, curve=self._curve).start()
         self.servicer = RelayServicer(
             self.store, relay_id=self.member_id, host=self.host,
-            data_endpoint=self.data_endpoint, master_id=self._current_master,
-            latest_published=self._latest_published, make_visible=self._make_visible,
+            data_endpoint=self.data_endpoint, master_id=self.position.current_master,
+            latest_published=self._latest_published, make_visible=self.position.make_visible,
             on_begin=self.forwarder.offer, health=self.health,
             commit_timeout_s=chain.commit_timeout_s, reader_lease_s=cfg.store.reader_lease_s,
             max_fetch_wait_s=cfg.max_fetch_wait_s,
@@ -205,10 +180,10 @@ class RelayService(Service):
         self.address = f"{self.advertise_host}:{self._serve_grpc()}"
         self.coordinator.watch_members(self._on_membership, role=RELAY_ROLE)
         self._register()
-        self._refresh()
+        self.position.refresh()
         self.spawn(self._control_loop, "control")
         if chain.master_probe_interval_s > 0:
-            self.spawn(self._probe_loop, "master-probe")
+            self.spawn(lambda: self.position.probe_loop(self.stopping), "master-probe")
 
     def _serve_grpc(self) -> int:
         """Start the control API's gRPC server; returns its port."""
@@ -282,113 +257,45 @@ class RelayService(Service):
             self._wake.clear()
             next_check = time.monotonic() + self._control_interval_s
             try:
-                self._refresh()
+                self.position.refresh()
             except LaminarError as exc:
                 log.warning(
                     "relay %s: election/chain check failed, retrying: %s", self.member_id, exc
                 )
             self.store.maintain(self.config.chain.session_idle_s)
 
-    def _refresh(self) -> None:
-        held = self.coordinator.election(MASTER_ELECTION)
-        leader = held[0] if held else None
-        if leader == self.member_id and not self.coordinator.owns(MASTER_ELECTION):
-            # An earlier process of this relay (same member id, now dead: this one
-            # replaced its record) still holds the election under its lease.
-            if self.coordinator.evict_leader(MASTER_ELECTION, leader, held[1]):
-                self.takeovers += 1
-                log.warning("relay %s: the master election was held by an earlier process "
-                            "of this relay; revoked its lease", self.member_id)
-            held = self.coordinator.election(MASTER_ELECTION)
-            leader = held[0] if held else None
-        if leader is None and self.coordinator.registered:
-            if self.coordinator.campaign(MASTER_ELECTION, self.member_id):
-                log.info("relay %s won the master election", self.member_id)
-            held = self.coordinator.election(MASTER_ELECTION)
-            leader = held[0] if held else None
-        members = self.coordinator.members(RELAY_ROLE)
-        chain = order_chain(members, leader)
-        upstream, downstream = neighbours(chain, self.member_id)
-        was_master = self.is_master
-        self.master_id = leader
-        self.is_master = leader == self.member_id and self.coordinator.owns(MASTER_ELECTION)
-        if self.is_master != was_master:
-            log.info(
-                "relay %s is %s the master",
-                self.member_id,
-                "now" if self.is_master else "no longer",
-            )
-        ids = [m.member_id for m in chain]
-        if ids != self.chain:
-            log.info("chain: %s", " -> ".join(ids) or "(empty)")
-        self.chain = ids
-        self.upstream_id = upstream.member_id if upstream else ""
-        # One value the probe reads whole: the master it may check, where, under which
-        # lease (a torn read could pair a new master with the dead one's address).
-        address = next((m.address for m in chain if m.member_id == leader), "")
-        self._probe_target = (leader, address, held[1]) \
-            if held and upstream is not None and upstream.member_id == leader and address \
-            and not self.is_master else None
+    # -- what the tier sees of this relay --------------------------------------
+
+    @property
+    def is_master(self) -> bool:
+        return self.position.is_master
+
+    @property
+    def master_id(self) -> str | None:
+        return self.position.master_id
+
+    @property
+    def chain(self) -> list[str]:
+        return self.position.chain
+
+    @property
+    def upstream_id(self) -> str:
+        return self.position.upstream_id
+
+    @property
+    def takeovers(self) -> int:
+        """Times this relay revoked a dead master's lease to take over."""
+        return self.position.takeovers
+
+    def _set_downstream(self, downstream: MemberRecord | None) -> None:
         assert self.forwarder is not None
         self.forwarder.set_downstream(downstream)
 
-    def _probe_loop(self) -> None:
-        """The relay after the master in the chain: a master port that refuses
-        connections is a dead master; revoke its lease and take over now."""
-        while not self.stopping.wait(self.config.chain.master_probe_interval_s):
-            target = self._probe_target
-            if target is None:
-                continue
-            master, address, lease = target
-            if not _refuses(address) or not _refuses(address):  # a second look
-                continue
-            try:
-                # Only the lease seen with that address: a master restarted since (a new
-                # process, a new lease) is not touched.
-                revoked = self.coordinator.evict_leader(MASTER_ELECTION, master, lease)
-            except LaminarError as exc:
-                log.warning("relay %s: master %s refuses connections at %s but its lease "
-                            "could not be revoked (%s); waiting for it to expire",
-                            self.member_id, master, address, exc)
-                continue
-            if revoked:
-                self.takeovers += 1
-                log.warning("relay %s: master %s refuses connections at %s (its process is "
-                            "gone): revoked its lease to take over without waiting for it "
-                            "to expire", self.member_id, master, address)
-            self._wake.set()
-
     # -- hooks for the servicer ----------------------------------------------
-
-    def _current_master(self) -> str | None:
-        leader = self.coordinator.leader(MASTER_ELECTION)
-        if leader == self.member_id and not self.coordinator.owns(MASTER_ELECTION):
-            return f"{leader} (an earlier process of this relay)"
-        return leader
 
     def _latest_published(self) -> int:
         record = self.coordinator.latest_version()
         return -1 if record is None else record.version
-
-    def _make_visible(self, manifest: WeightManifest) -> None:
-        record = VersionRecord(
-            version=manifest.version,
-            total_bytes=manifest.total_bytes,
-            master_id=self.member_id,
-            trainer_step=manifest.trainer_step,
-        )
-        try:
-            self.coordinator.publish_version(record, fence=MASTER_ELECTION)
-        except FencedError as exc:
-            self._wake.set()
-            raise NotMasterError(f"relay {self.member_id} is no longer the master, weight "
-                                 f"version {manifest.version} was not made visible: {exc}; "
-                                 "re-resolve the master and retry") from exc
-        except EtcdUnavailableError:
-            raise
-        except CoordinationError as exc:
-            raise VersionConflictError(str(exc)) from exc
-        log.info("relay %s published version %d in etcd", self.member_id, manifest.version)
 
     def _stub(self, address: str) -> relay_pb2_grpc.RelayStub:
         with self._channels_lock:
