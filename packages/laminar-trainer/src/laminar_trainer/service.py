@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -75,8 +74,8 @@ from .reporting import StepReporter
 from .resume import begin
 from .runfiles import RunFiles, make_step_records
 from .samples import SampleLogger
-from .step import StepResult, trajectory_metrics
-from .telemetry import prometheus_metrics, rejected_by_reason
+from .step import StepResult
+from .telemetry import prometheus_metrics, rejected_by_reason, run_summary, step_row
 from .tracking import MultiTracker, make_trackers
 
 __all__ = ["TrainerService"]
@@ -443,23 +442,17 @@ class TrainerService(Service):
 
     def _step_metrics(self, trajs: list[Trajectory], result: StepResult, consume_version: int,
                       train_s: float, waited: float, stall: float) -> dict:
-        staleness = [consume_version - t.policy_version for t in trajs]
         elapsed = time.monotonic() - self._t_first_step
         # The step-0 eval rides on the first step's row: a run stopped before its summary
         # (interrupted, or resumed later) still plots where it started.
-        before = self.heldout.before
-        first = {"eval_before": before} if self.step == 1 and before is not None else {}
-        return {
-            **first,
-            "step": self.step, "version": self.version, "time": time.time(),
-            "loss": result.loss, "reward_mean": result.reward_mean,
-            "tokens": result.tokens, "tokens_per_s": self._tokens_consumed / max(elapsed, 1e-9),
-            "step_s": train_s, "wait_s": waited, "stall_s": stall,
-            "staleness_mean": statistics.fmean(staleness), "staleness_max": max(staleness),
-            "buffer": len(self.buffer), "simulated": self.policy.simulated,
-            "groups_filtered": self._filtered_last_step, **trajectory_metrics(trajs),
-            **result.stats,
-        }
+        before = self.heldout.before if self.step == 1 else None
+        return step_row(
+            step=self.step, version=self.version, consume_version=consume_version,
+            trajs=trajs, result=result,
+            tokens_per_s=self._tokens_consumed / max(elapsed, 1e-9), train_s=train_s,
+            waited=waited, stall=stall, buffered=len(self.buffer),
+            simulated=self.policy.simulated, groups_filtered=self._filtered_last_step,
+            eval_before=before)
 
     def _check_rewards(self, groups: list[Group]) -> None:
         """See :func:`.console.check_rewards` (a run's first step only)."""
@@ -494,32 +487,16 @@ class TrainerService(Service):
         self.stopping.set()
 
     def summary(self) -> dict:
-        hist = dict(sorted(self.buffer.stats.staleness.items()))
-        total = sum(hist.values()) or 1
+        """The run's figures (summary.json, ``TRAINER DONE``, the trackers' summary)."""
         elapsed = (time.monotonic() - self._t_first_step) if self._t_first_step else 0.0
-        pub = self.publisher.stats
-        return {
-            "steps": self.step, "version": self.version, "eval_before": self.heldout.before,
-            "eval_after": self.heldout.after, "tokens_consumed": self._tokens_consumed,
-            "tokens_per_s": self._tokens_consumed / elapsed if elapsed else 0.0,
-            "trainer_idle_fraction": self._wait_s / elapsed if elapsed else 0.0,
-            "staleness_hist": hist,
-            "staleness_mean": sum(k * v for k, v in hist.items()) / total,
-            "publishes": pub.published, "publish_failed": pub.failed,
-            "stall_mean_s": statistics.fmean(pub.stall_s) if pub.stall_s else 0.0,
-            "send_mean_s": statistics.fmean(pub.send_s) if pub.send_s else 0.0,
-            "buffer": vars(self.buffer.stats) | {"staleness": hist},
-            "reward_errors": self.buffer.stats.reward_errors,
-            "uniform_steps": self.reporter.uniform_steps_total,
-            "rejected": {k: v for k, v in self.rejected.items() if v},
-            "door": vars(self.consumer.stats) | {"rejected": dict(self.consumer.stats.rejected)}
-            if self.consumer is not None else {},
-            "refused_stale_after_resume": self.refused_stale_resume,
-            "ended_early": self.ended_early,
-            "nonfinite_steps": self.nonfinite_steps,
-            "simulated_step": self.policy.simulated, "run_dir": str(self.run_dir),
-            "tracker_errors": self.trackers.errors,
-        }
+        return run_summary(
+            step=self.step, version=self.version, heldout=self.heldout,
+            tokens_consumed=self._tokens_consumed, elapsed=elapsed, wait_s=self._wait_s,
+            buffer=self.buffer, publisher=self.publisher.stats, door=self.consumer,
+            uniform_steps=self.reporter.uniform_steps_total,
+            refused_stale_resume=self.refused_stale_resume, ended_early=self.ended_early,
+            nonfinite_steps=self.nonfinite_steps, simulated=self.policy.simulated,
+            run_dir=self.run_dir, tracker_errors=self.trackers.errors)
 
 
 def make_trainer_service(config: TrainerConfig, *, resume: bool = False,

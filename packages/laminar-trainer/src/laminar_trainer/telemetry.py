@@ -7,14 +7,21 @@ and the weight publisher. Nothing here is computed per step or waits on anything
 
 from __future__ import annotations
 
+import statistics
+import time
+from pathlib import Path
+
+from laminar_common.codec import Trajectory
 from laminar_common.consume.consumer import TrajectoryConsumer
 from laminar_common.consume.validation import REASONS
 from laminar_common.metrics import Metric
 
 from .buffer import ExperienceBuffer
+from .heldout import HeldOut
 from .publisher import PublishStats
+from .step import StepResult, trajectory_metrics
 
-__all__ = ["STEP_GAUGES", "prometheus_metrics", "rejected_by_reason"]
+__all__ = ["STEP_GAUGES", "prometheus_metrics", "rejected_by_reason", "step_row", "run_summary"]
 
 STEP_GAUGES = (
     ("grad_norm", "gradient norm before clipping, mean over the last step's updates"),
@@ -93,3 +100,56 @@ def prometheus_metrics(*, step: int, version: int, tokens_consumed: int, last: d
                values={(k,): v for k, v in door.transport_stats.rejected.items()}
                if door is not None else {}),
     ]
+
+
+def step_row(*, step: int, version: int, consume_version: int, trajs: list[Trajectory],
+             result: StepResult, tokens_per_s: float, train_s: float, waited: float,
+             stall: float, buffered: int, simulated: bool, groups_filtered: int,
+             eval_before: float | None = None) -> dict:
+    """A step's metrics.jsonl row (``eval_before``: the step-0 eval, on step 1's row)."""
+    staleness = [consume_version - t.policy_version for t in trajs]
+    first = {"eval_before": eval_before} if eval_before is not None else {}
+    return {
+        **first,
+        "step": step, "version": version, "time": time.time(),
+        "loss": result.loss, "reward_mean": result.reward_mean,
+        "tokens": result.tokens, "tokens_per_s": tokens_per_s,
+        "step_s": train_s, "wait_s": waited, "stall_s": stall,
+        "staleness_mean": statistics.fmean(staleness), "staleness_max": max(staleness),
+        "buffer": buffered, "simulated": simulated,
+        "groups_filtered": groups_filtered, **trajectory_metrics(trajs),
+        **result.stats,
+    }
+
+
+def run_summary(*, step: int, version: int, heldout: HeldOut, tokens_consumed: int,
+                elapsed: float, wait_s: float, buffer: ExperienceBuffer,
+                publisher: PublishStats, door: TrajectoryConsumer | None, uniform_steps: int,
+                refused_stale_resume: int, ended_early: str | None, nonfinite_steps: int,
+                simulated: bool, run_dir: Path, tracker_errors: int) -> dict:
+    """The run's summary (summary.json; ``elapsed`` since the first step)."""
+    hist = dict(sorted(buffer.stats.staleness.items()))
+    total = sum(hist.values()) or 1
+    pub = publisher
+    return {
+        "steps": step, "version": version, "eval_before": heldout.before,
+        "eval_after": heldout.after, "tokens_consumed": tokens_consumed,
+        "tokens_per_s": tokens_consumed / elapsed if elapsed else 0.0,
+        "trainer_idle_fraction": wait_s / elapsed if elapsed else 0.0,
+        "staleness_hist": hist,
+        "staleness_mean": sum(k * v for k, v in hist.items()) / total,
+        "publishes": pub.published, "publish_failed": pub.failed,
+        "stall_mean_s": statistics.fmean(pub.stall_s) if pub.stall_s else 0.0,
+        "send_mean_s": statistics.fmean(pub.send_s) if pub.send_s else 0.0,
+        "buffer": vars(buffer.stats) | {"staleness": hist},
+        "reward_errors": buffer.stats.reward_errors,
+        "uniform_steps": uniform_steps,
+        "rejected": {k: v for k, v in rejected_by_reason(door).items() if v},
+        "door": vars(door.stats) | {"rejected": dict(door.stats.rejected)}
+        if door is not None else {},
+        "refused_stale_after_resume": refused_stale_resume,
+        "ended_early": ended_early,
+        "nonfinite_steps": nonfinite_steps,
+        "simulated_step": simulated, "run_dir": str(run_dir),
+        "tracker_errors": tracker_errors,
+    }
