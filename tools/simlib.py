@@ -7,7 +7,7 @@ from the project is every decision: the simulated manager calls the project's pu
 ``laminar_rollout.scheduling.plan_dispatch`` / ``plan_barrier`` / ``required_version`` and
 ``laminar_rollout.repack.plan_repack``, and keeps its accounts in the project's
 ``TrajectoryLedger``, in the order ``ManagerService`` does (``_schedule``,
-``_advance_batch``, ``_maybe_repack``). Response lengths come from the project's
+``_advance_batch``, ``Dispatch.maybe_repack``). Response lengths come from the project's
 ``LogNormalLengths``.
 
 Time model (``TimeModel.describe()`` prints it with the numbers in use):
@@ -807,7 +807,7 @@ class _Sim:
                     break
 
     def repack(self, now: float) -> None:
-        """``ManagerService._maybe_repack`` (periodic, and forced on a new version)."""
+        """``Dispatch.maybe_repack`` (the manager's) (periodic, and forced on a new version)."""
         self.repack_gen += 1
         self.push(now + self.cfg.repack_interval_s, _EV_REPACK, 0, self.repack_gen)
         pending = self.ledger.pending_count()

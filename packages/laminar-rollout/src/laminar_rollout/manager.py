@@ -52,13 +52,13 @@ from laminar_common.transport import (
 )
 
 from .config import ManagerConfig
+from .dispatch import Dispatch
 from .feedback import TrainerFeedback
 from .ledger import ACKED, DONE, TrajectoryLedger
 from .manager_state import ResumeHold, StateFile
 from .prompts import PromptCursor, load_prompt_file
-from .repack import WorkerLoad, plan_repack
 from .roster import Roster, WorkerState
-from .scheduling import Admission, WorkerView, plan_barrier, plan_dispatch, required_version
+from .scheduling import Admission, plan_barrier, plan_dispatch, required_version
 from .telemetry import ManagerStats, manager_metrics
 from .version import __version__
 
@@ -102,12 +102,15 @@ class ManagerService(Service):
                                         lambda: self.batch if config.mode != "laminar" else None)
         """The trainer's acks, rejections and filtered groups (:mod:`.feedback`)."""
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._migrations: dict[str, tuple[str, float]] = {}
+        migrations: dict[str, tuple[str, float]] = {}
         self.roster = Roster(config.worker_timeout_s, self.ledger, self.stats,
-                             lambda wid: self.server.forget(wid), self._migrations)
+                             lambda wid: self.server.forget(wid), migrations)
         """The connected workers, lost ones and recoveries (:mod:`.roster`)."""
         self.workers = self.roster.workers
-        self._last_repack = time.monotonic()
+        self.dispatch = Dispatch(self.workers, self.ledger, self.stats, self._send,
+                                 self.roster.cut_off, config.repack, config.mode == "laminar")
+        """Pulls, grants, placements and repack rounds to the workers (:mod:`.dispatch`)."""
+        self.dispatch.migrations = migrations
         self._last_log = 0.0
         self._last_ledger_log = 0.0
         self._drained_announced = False
@@ -192,7 +195,7 @@ class ManagerService(Service):
             self._schedule()
             if self.roster.recoveries:
                 self.roster.settle_recoveries()
-            self._maybe_repack()
+            self.dispatch.maybe_repack(self.latest)
             self._write_state()
             self._log_progress()
 
@@ -204,7 +207,7 @@ class ManagerService(Service):
                 if payload.version > self.latest:
                     self.latest = payload.version
                     self._trainer_step = max(self._trainer_step, _trainer_step(payload))
-                    self._maybe_repack(force=True)
+                    self.dispatch.maybe_repack(self.latest, force=True)
             elif kind == "member":
                 assert isinstance(payload, MembershipEvent)
                 if payload.kind == "delete" and payload.member_id in self.workers:
@@ -243,13 +246,13 @@ class ManagerService(Service):
             self._record_progress(peer, msg)
         elif isinstance(msg, PromptTask):
             if self.ledger.requeue_exported(msg, peer):
-                migration = self._migrations.get(msg.trajectory_id)
+                migration = self.dispatch.migrations.get(msg.trajectory_id)
                 if migration is not None:
                     # To the planned destination; if it cannot take it now (pulling,
                     # gone, full), it waits as resumable for any worker at its version.
-                    self._place(msg.trajectory_id, migration[0])
+                    self.dispatch.place(msg.trajectory_id, migration[0])
             else:
-                self._migrations.pop(msg.trajectory_id, None)
+                self.dispatch.migrations.pop(msg.trajectory_id, None)
         elif isinstance(msg, codec.GenerationRejected):
             for tid in msg.trajectory_ids:
                 if self.ledger.mark_rejected(tid, peer, msg.reason):
@@ -309,50 +312,15 @@ class ManagerService(Service):
 
     # -- scheduling -------------------------------------------------------------
 
-    def _views(self) -> list[WorkerView]:
-        """The workers new work may go to: not those cut off from the trainer."""
-        cut_off = self.roster.cut_off()
-        return [WorkerView(w.worker_id, w.version, w.capacity, self.ledger.assigned(w.worker_id),
-                           w.pulling) for w in self.workers.values()
-                if w.version >= 0 and w.worker_id not in cut_off]
-
-    def _place(self, tid: str, worker_id: str) -> bool:
-        """Dispatch one pending trajectory to a chosen live worker."""
-        w = self.workers.get(worker_id)
-        if w is None or w.pulling is not None:
-            return False
-        task = self.ledger.take_specific(tid, worker_id, w.version)
-        if task is None:
-            return False
-        if not self._send(worker_id, task):
-            return False
-        w.kv.refill()
-        self.stats.dispatched += 1
-        migration = self._migrations.pop(tid, None)
-        if migration is not None:
-            self.stats.migrations_placed += 1
-            self.stats.migration_seconds += time.monotonic() - migration[1]
-        return True
-
-    def _place_resumables(self, views: list[WorkerView]) -> None:
-        """Unfinished trajectories with tokens go to a worker at their version."""
-        free = {v.worker_id: v.free for v in views if v.pulling is None}
-        for tid, version in self.ledger.pending_resumable():
-            for v in views:
-                if v.version == version and free.get(v.worker_id, 0) > 0:
-                    if self._place(tid, v.worker_id):
-                        free[v.worker_id] -= 1
-                    break
-
     def _schedule(self) -> None:
-        views = self._views()
+        views = self.dispatch.views()
         if not views:
             return
         if self.config.mode == "laminar" and self.resume_hold.check(self.latest):
             return
         if self.ledger.pending_resumable():
-            self._place_resumables(views)
-            views = self._views()
+            self.dispatch.place_resumables(views)
+            views = self.dispatch.views()
         if self.config.mode == "laminar":
             cfg = self.config
             # Each group the trainer filtered (dynamic sampling) is one more to create.
@@ -375,19 +343,7 @@ class ManagerService(Service):
             batch = self.config.batch_groups * self.config.group_size
             plan = plan_barrier(views, required_version(self.config.mode, self.batch), self.latest,
                                 share=-(-batch // len(self.workers)))
-        for wid, version in plan.pulls.items():
-            if self._send(wid, codec.PullWeights(version=version)):
-                self.workers[wid].pulling = version
-                self.stats.pulls_commanded += 1
-        for wid, n in plan.grants.items():
-            w = self.workers[wid]
-            tasks = self.ledger.take_pending(wid, w.version, n)
-            if tasks:
-                w.kv.refill()
-            for task in tasks:
-                if not self._send(wid, task):
-                    break
-                self.stats.dispatched += 1
+        self.dispatch.apply(plan)
 
     def _advance_batch(self) -> None:
         """Open the next global batch once the current one has finished generating."""
@@ -406,39 +362,6 @@ class ManagerService(Service):
         self.batch = nxt
         log.info("batch %d open (%d groups) at required version %d", nxt, added,
                  required_version(self.config.mode, nxt))
-
-    def _maybe_repack(self, force: bool = False) -> None:
-        cfg = self.config.repack
-        if self.config.mode != "laminar" or not cfg.enabled:
-            return
-        now = time.monotonic()
-        if not force and now - self._last_repack < cfg.interval_s:
-            return
-        self._last_repack = now
-        # "Queue empty" = no more work is coming its way: nothing waits for it, or it
-        # is stale (stale workers get no fresh prompts; what it has queued but not
-        # started leaves with the repack like the rest).
-        loads = [
-            WorkerLoad(w.worker_id, w.version, self.ledger.assigned(w.worker_id), w.capacity,
-                       w.kv_used, w.kv_capacity, falling=w.kv.falling,
-                       queue_empty=(w.queued == 0 and self.ledger.pending_count() == 0)
-                       or w.version < self.latest)
-            for w in self.workers.values() if w.version >= 0 and w.pulling is None
-        ]
-        moves = plan_repack(loads, self.latest, min_sources=cfg.min_sources)
-        if not moves:
-            return
-        t0 = time.monotonic()
-        for move in moves:
-            ids = tuple(self.ledger.held_by(move.source))
-            if ids and self._send(move.source, codec.ExportTrajectories(trajectory_ids=ids)):
-                self.stats.repack_migrated += len(ids)
-                for tid in ids:
-                    self._migrations[tid] = (move.destination, t0)
-        self.stats.repacks += 1
-        self.stats.repack_seconds += time.monotonic() - t0
-        log.info("repack: emptying %d workers (%s)", len(moves),
-                 ", ".join(f"{m.source}->{m.destination}" for m in moves))
 
     # -- reporting --------------------------------------------------------------
 
