@@ -5,7 +5,7 @@ Runs the discrete-event simulator core (``tools/simlib.py``) three times in one 
 same seed (the k-th trajectory has the same response length in both runs): laminar mode on
 ``--workers`` rollout workers, with repack planned by the project's
 ``laminar_rollout.repack.plan_repack`` (periodic every ``RepackConfig.interval_s`` and forced
-on every new weight version, like ``Dispatch.maybe_repack`` (the manager's)) and off. The engine and
+on every new weight version, like the manager's ``Dispatch.maybe_repack``) and off. The engine and
 the training step are cost models (simulated engine, simulated training step; see
 ``simlib``'s docstring for the time model, printed below); migrated trajectories pay a
 re-prefill of prompt + generated tokens on their destination, which stalls its decoding, or

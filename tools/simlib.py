@@ -807,7 +807,7 @@ class _Sim:
                     break
 
     def repack(self, now: float) -> None:
-        """``Dispatch.maybe_repack`` (the manager's) (periodic, and forced on a new version)."""
+        """The manager's ``Dispatch.maybe_repack`` (periodic, and forced on a new version)."""
         self.repack_gen += 1
         self.push(now + self.cfg.repack_interval_s, _EV_REPACK, 0, self.repack_gen)
         pending = self.ledger.pending_count()
