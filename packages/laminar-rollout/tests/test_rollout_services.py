@@ -836,7 +836,8 @@ def test_a_worker_cut_off_from_the_trainer_has_its_work_done_elsewhere_once(stac
     manager = start_manager(n_prompts=8, group_size=2, worker_timeout_s=1.0)
     cut = start_worker("cut", median=12, max_batch=2)
     start_worker("ok", median=12, max_batch=2)
-    assert _wait(lambda: cut.outbox.trainer is not None and manager.ledger.held_by("cut"), 10, trainer)
+    assert _wait(lambda: cut.outbox.trainer is not None and manager.ledger.held_by("cut"), 10,
+                 trainer)
     cut.outbox.trainer.cut()
     assert _wait(lambda: manager.stats.workers_cut_off == 1, 15, trainer)
     # Everything arrives, the cut worker's share from the other worker.

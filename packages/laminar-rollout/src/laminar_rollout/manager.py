@@ -88,7 +88,8 @@ class ManagerService(Service):
         as consumed)."""
         self.batch = -1
         self.resume_hold = ResumeHold()
-        """After ``--resume``: no new work until the running trainer's weights (:mod:`.manager_state`)."""
+        """After ``--resume``: no new work until the running trainer's weights
+        (:mod:`.manager_state`)."""
         self.state_file = StateFile(config)
         """``state_dir/manager_state.json`` (:mod:`.manager_state`)."""
         restored = self.state_file.restore(self.records, self.sampling) if resume else None

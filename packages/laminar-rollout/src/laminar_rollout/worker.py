@@ -429,7 +429,8 @@ class WorkerService(Service):
                 self.conversations.drop(out.request_id)
             return
         if self.conversations is None:
-            self.scoring.submit(task, Completed.single_turn(out, self.tokenizer.decode(out.token_ids)))
+            text = self.tokenizer.decode(out.token_ids)
+            self.scoring.submit(task, Completed.single_turn(out, text))
             return
         done = self.conversations.turn_ended(out)
         if done is None:

@@ -320,7 +320,8 @@ class TrainerService(Service):
         if self.step < cfg.total_steps and self.ended_early is None:
             return  # stopped early (a signal): no summary, no DONE
         if self.ended_early is not None:
-            self.durable.final(self.step, self.version)  # the steps since the last one, and their acks
+            # The steps since the last checkpoint, and their acks.
+            self.durable.final(self.step, self.version)
         self._finish()
 
     def _hold_for_publishing(self) -> bool:

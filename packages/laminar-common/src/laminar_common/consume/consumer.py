@@ -240,7 +240,8 @@ class TrajectoryConsumer:
             self._watches.append(coordinator.watch_latest(self._on_latest))
             coordinator.register(MemberRecord(
                 member_id=member_id, role=Role.TRAINER, address=self.endpoint,
-                host_id=host_identity(host_id), package_version=__version__, extra={**(extra or {}), Extra.READY: "1"}))
+                host_id=host_identity(host_id), package_version=__version__,
+                extra={**(extra or {}), Extra.READY: "1"}))
         except BaseException:
             self._close_sockets()
             raise
