@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from laminar_common.auth import CurveAuth, TlsFiles, grpc_channel, grpc_server_credentials
+from laminar_common.auth import CurveAuth, TlsFiles, grpc_server_credentials
 from laminar_common.codec import PROTOCOL_VERSION
 from laminar_common.errors import (
     LaminarError,
@@ -59,6 +59,7 @@ from laminar_common.relay.wire import (
     EXTRA_STORE,
     GRPC_OPTIONS,
     RELAY_ROLE,
+    RelayStubs,
 )
 from laminar_common.roles import Extra
 from laminar_common.service import Service
@@ -141,8 +142,8 @@ class RelayService(Service):
         self.position = ChainPosition(coordinator, member_id, self._set_downstream, self._wake,
                                       cfg.chain.master_probe_interval_s)
         """The master election, the chain and the master probe (:mod:`.election`)."""
-        self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
-        self._channels_lock = threading.Lock()
+        self._stubs = RelayStubs(tls_client)
+        """gRPC stubs of the other relays (the chain's commits, forwarding)."""
         self._chunk_rejects: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._slots: threading.BoundedSemaphore | None = None
@@ -236,10 +237,7 @@ class RelayService(Service):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
-        with self._channels_lock:
-            channels, self._channels = self._channels, {}
-        for channel, _ in channels.values():
-            channel.close()
+        self._stubs.close()
 
     # -- control loop -------------------------------------------------------
 
@@ -298,13 +296,7 @@ class RelayService(Service):
         return -1 if record is None else record.version
 
     def _stub(self, address: str) -> relay_pb2_grpc.RelayStub:
-        with self._channels_lock:
-            entry = self._channels.get(address)
-            if entry is None:
-                channel = grpc_channel(address, self._tls_client, GRPC_OPTIONS)
-                entry = (channel, relay_pb2_grpc.RelayStub(channel))
-                self._channels[address] = entry
-            return entry[1]
+        return self._stubs.get(address)
 
     # -- data plane ---------------------------------------------------------
 

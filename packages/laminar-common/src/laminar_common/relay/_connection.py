@@ -27,7 +27,7 @@ from typing import Any, Self
 
 import grpc
 
-from laminar_common.auth import CurveAuth, TlsFiles, grpc_channel
+from laminar_common.auth import CurveAuth, TlsFiles
 from laminar_common.codec import WeightManifest
 from laminar_common.errors import (
     CoordinationError,
@@ -46,9 +46,9 @@ from laminar_common.relay.manifests import (
 from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
 from laminar_common.relay.publish import ChunkSenders
 from laminar_common.relay.wire import (
-    GRPC_OPTIONS,
     MASTER_ELECTION,
     RELAY_ROLE,
+    RelayStubs,
     call_relay,
     error_from_rpc,
     protocol_metadata,
@@ -277,7 +277,7 @@ class RelayConnection:
         self.tls = tls
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
-        self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
+        self._stubs = RelayStubs(tls)
         self._senders = ChunkSenders(hwm=send_hwm, send_timeout_s=send_timeout_s, auth=curve)
         self._suspect: tuple[str, float] | None = None
         self._suspect_probed_at = 0.0
@@ -286,15 +286,9 @@ class RelayConnection:
         self._async_pool: ThreadPoolExecutor | None = None
 
     def _stub(self, address: str) -> relay_pb2_grpc.RelayStub:
-        with self._lock:
-            if self._closed.is_set():
-                raise TransportError("RelayClient is closed")
-            entry = self._channels.get(address)
-            if entry is None:
-                channel = grpc_channel(address, self.tls, GRPC_OPTIONS)
-                entry = (channel, relay_pb2_grpc.RelayStub(channel))
-                self._channels[address] = entry
-            return entry[1]
+        if self._closed.is_set():
+            raise TransportError("RelayClient is closed")
+        return self._stubs.get(address)
 
     def _call_while_master(self, method: Any, request: Any, what: str, timeout: float, *,
                            relay: RelayRef) -> Any:
@@ -458,15 +452,13 @@ class RelayConnection:
         """Close channels, sockets and worker threads (idempotent)."""
         self._closed.set()
         with self._lock:
-            channels, self._channels = self._channels, {}
             pools = [p for p in (self._hash_pool, self._async_pool) if p is not None]
             self._hash_pool = self._async_pool = None
         for pool in pools:
             pool.shutdown(wait=True, cancel_futures=True)
         with self._publish_lock:
             self._senders.close()
-        for channel, _ in channels.values():
-            channel.close()
+        self._stubs.close()
 
     def __enter__(self) -> Self:
         return self

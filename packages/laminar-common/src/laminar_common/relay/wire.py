@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import grpc
@@ -35,10 +36,11 @@ from laminar_common.errors import (
     TransportError,
 )
 from laminar_common.relay.manifests import LEGACY_CHECKSUM
-from laminar_common.relay.proto import relay_pb2
+from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
 from laminar_common.roles import Extra, Role
 
 __all__ = [
+    "RelayStubs",
     "RELAY_ROLE",
     "MASTER_ELECTION",
     "EXTRA_DATA_ENDPOINT",
@@ -267,3 +269,40 @@ def manifest_from_proto(pb: relay_pb2.Manifest, *, nested: bool = False) -> Weig
         base_version=int(pb.base_version) if full is not None else -1,
         full=full,
     )
+
+
+class RelayStubs:
+    """One gRPC channel (and stub) per relay address, made on first use; thread-safe.
+    ``tls``: the CA (and client certificate) to reach relays over TLS, None: plaintext."""
+
+    def __init__(self, tls=None) -> None:
+        self.tls = tls
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[grpc.Channel, relay_pb2_grpc.RelayStub]] = {}
+        self._closed = False
+
+    def get(self, address: str) -> relay_pb2_grpc.RelayStub:
+        """The stub for ``address``.
+
+        Raises:
+            TransportError: after :meth:`close`.
+        """
+        from laminar_common.auth import grpc_channel
+
+        with self._lock:
+            if self._closed:
+                raise TransportError("relay connections are closed")
+            entry = self._channels.get(address)
+            if entry is None:
+                channel = grpc_channel(address, self.tls, GRPC_OPTIONS)
+                entry = (channel, relay_pb2_grpc.RelayStub(channel))
+                self._channels[address] = entry
+            return entry[1]
+
+    def close(self) -> None:
+        """Close every channel (idempotent); :meth:`get` refuses from now on."""
+        with self._lock:
+            self._closed = True
+            channels, self._channels = self._channels, {}
+        for channel, _ in channels.values():
+            channel.close()
