@@ -46,6 +46,7 @@ from .base import (
     GenerationOutput,
     GenerationRequest,
     PartialProgress,
+    check_fits_context,
     check_load_weights_allowed,
     check_weight_version,
 )
@@ -246,19 +247,7 @@ class SimulatedEngine(GenerationEngine):
         return self._preemptions
 
     def add_request(self, request: GenerationRequest) -> None:
-        n_prompt = len(request.prompt_token_ids)
-        if n_prompt > self._context_length - 1:
-            raise EngineError(
-                f"request {request.request_id!r}: prompt of {n_prompt} tokens does not fit "
-                f"context_length {self._context_length} (at most {self._context_length - 1} "
-                "prompt tokens leave room for one generated token)"
-            )
-        total = n_prompt + len(request.resume_token_ids)
-        if total > self._context_length:
-            raise EngineError(
-                f"request {request.request_id!r}: prompt ({n_prompt}) plus resumed tokens "
-                f"({len(request.resume_token_ids)}) exceed context_length {self._context_length}"
-            )
+        total = check_fits_context(request, self._context_length)
         if total + 1 > self._kv_capacity:
             raise EngineError(
                 f"request {request.request_id!r}: {total} tokens can never fit the KV capacity "

@@ -66,6 +66,7 @@ from .base import (
     GenerationRequest,
     KVState,
     PartialProgress,
+    check_fits_context,
     check_load_weights_allowed,
     check_weight_version,
 )
@@ -314,19 +315,7 @@ class TorchEngine(GenerationEngine):
                 f"refusing request {request.request_id!r}: the last load_weights failed midway, "
                 "so the weights are inconsistent until a load_weights succeeds"
             )
-        n_prompt = len(request.prompt_token_ids)
-        if n_prompt > self._context_length - 1:
-            raise EngineError(
-                f"request {request.request_id!r}: prompt of {n_prompt} tokens does not fit "
-                f"context_length {self._context_length} (at most {self._context_length - 1} "
-                "prompt tokens leave room for one generated token)"
-            )
-        total = n_prompt + len(request.resume_token_ids)
-        if total > self._context_length:
-            raise EngineError(
-                f"request {request.request_id!r}: prompt ({n_prompt}) plus resumed tokens "
-                f"({len(request.resume_token_ids)}) exceed context_length {self._context_length}"
-            )
+        check_fits_context(request, self._context_length)
         bad = [
             t for t in (*request.prompt_token_ids, *request.resume_token_ids) if t >= self._vocab
         ]

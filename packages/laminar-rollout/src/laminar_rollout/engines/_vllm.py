@@ -88,6 +88,7 @@ from .base import (
     GenerationRequest,
     PartialProgress,
     call_with_deadline,
+    check_fits_context,
     check_load_weights_allowed,
     weight_buckets,
 )
@@ -411,18 +412,7 @@ class VllmEngine(GenerationEngine):
                 f"request {rid!r} was generated with policy v{request.policy_version} but this "
                 f"engine holds v{self._version}: a trajectory never spans two versions"
             )
-        n_prompt = len(request.prompt_token_ids)
-        if n_prompt > self._context_length - 1:
-            raise EngineError(
-                f"request {rid!r}: prompt of {n_prompt} tokens does not fit context_length "
-                f"{self._context_length} (at most {self._context_length - 1} prompt tokens)"
-            )
-        total = n_prompt + len(request.resume_token_ids)
-        if total > self._context_length:
-            raise EngineError(
-                f"request {rid!r}: prompt ({n_prompt}) plus resumed tokens "
-                f"({len(request.resume_token_ids)}) exceed context_length {self._context_length}"
-            )
+        check_fits_context(request, self._context_length)
         params = request.params
         if params.temperature > 0 and (params.top_k > 0 or params.top_p < 1):
             raise EngineError(

@@ -395,6 +395,27 @@ def check_weight_version(version: object) -> int:
     return version
 
 
+def check_fits_context(request: GenerationRequest, context_length: int) -> int:
+    """The request's prompt plus resumed tokens, checked against ``context_length`` (a
+    prompt must leave room for one generated token); returns their count.
+
+    Raises:
+        EngineError: it does not fit (names the request and the sizes).
+    """
+    rid, n_prompt = request.request_id, len(request.prompt_token_ids)
+    if n_prompt > context_length - 1:
+        raise EngineError(
+            f"request {rid!r}: prompt of {n_prompt} tokens does not fit context_length "
+            f"{context_length} (at most {context_length - 1} prompt tokens leave room for one "
+            "generated token)")
+    total = n_prompt + len(request.resume_token_ids)
+    if total > context_length:
+        raise EngineError(
+            f"request {rid!r}: prompt ({n_prompt}) plus resumed tokens "
+            f"({len(request.resume_token_ids)}) exceed context_length {context_length}")
+    return total
+
+
 def check_load_weights_allowed(engine: GenerationEngine, version: int) -> None:
     """Shared guard for ``load_weights``: idle engine and a strictly newer version."""
     if not _is_int(version) or version < 0:
