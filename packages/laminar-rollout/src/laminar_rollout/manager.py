@@ -59,7 +59,7 @@ from .manager_state import ResumeHold, StateFile
 from .prompts import PromptCursor, load_prompt_file
 from .roster import Roster, WorkerState
 from .scheduling import Admission, plan_barrier, plan_dispatch, required_version
-from .telemetry import ManagerStats, manager_metrics
+from .telemetry import ManagerStats, manager_metrics, manager_summary
 from .version import __version__
 
 __all__ = ["ManagerService"]
@@ -371,40 +371,10 @@ class ManagerService(Service):
                                latest=self.latest, server=self.server, acks=self.acks)
 
     def summary(self) -> dict[str, object]:
-        return {
-            "ledger": self.ledger.counts(),
-            "dispatched": self.stats.dispatched,
-            "acks": self.stats.acks,
-            "workers": len(self.workers),
-            "workers_lost": self.stats.workers_lost,
-            "repacks": self.stats.repacks,
-            "repack_migrated": self.stats.repack_migrated,
-            "repack_seconds": round(self.stats.repack_seconds, 4),
-            "migration_seconds_mean": round(
-                self.stats.migration_seconds / self.stats.migrations_placed, 4)
-            if self.stats.migrations_placed else None,
-            "recovery_seconds": [round(x, 3) for x in self.stats.recovery_seconds],
-            "resumed": self.ledger.counters.resumed,
-            "kv_carried": self.ledger.counters.kv_carried,
-            "restarted": self.ledger.counters.restarted,
-            "stale_reports": self.ledger.counters.stale_reports,
-            "trainer_rejections": self.stats.trainer_rejections,
-            "stale_after_resume": self.stats.stale_after_resume,
-            "groups_filtered": self.ledger.filtered_groups,
-            "filtered_unknown": self.ledger.counters.filtered_unknown,
-            "lease_expired_kept": self.stats.lease_expired_kept,
-            "workers_cut_off": self.stats.workers_cut_off,
-            "ack_rejected_frames": dict(self.acks.stats.rejected) if self.acks else {},
-            "pulls_commanded": self.stats.pulls_commanded,
-            "latest_version": self.latest,
-            "cursor": self.cursor.state(),
-            "batch": self.batch,
-            "prompts_exhausted": self.cursor.exhausted(),
-            "holding_for_resume": self.resume_hold.holding,
-            "settled": self.ledger.settled(),
-            "settled_below": self.ledger.settled_below,
-            "compacted_groups": self.ledger.compacted_groups,
-        }
+        """The manager's figures (its status in etcd, the saved state, MANAGER DRAINED)."""
+        return manager_summary(self.stats, self.ledger, workers=len(self.workers),
+                               acks=self.acks, latest=self.latest, cursor=self.cursor,
+                               batch=self.batch, holding_for_resume=self.resume_hold.holding)
 
     def _log_progress(self) -> None:
         now = time.monotonic()
@@ -425,6 +395,7 @@ class ManagerService(Service):
         if self.cursor.exhausted() and self.ledger.settled() and not self._drained_announced:
             self._drained_announced = True
             print("MANAGER DRAINED " + json.dumps(s, sort_keys=True), flush=True)
+
     def _write_state(self, force: bool = False) -> None:
         self.state_file.write(self.summary(), self.ledger, self.latest, self.resume_hold.hold,
                               force=force)

@@ -18,7 +18,8 @@ from .ledger import TrajectoryLedger
 from .outbox import Outbox
 from .rewards import RewardPool
 
-__all__ = ["worker_metrics", "manager_metrics", "ManagerStats", "FULL_PROGRESS_EVERY"]
+__all__ = ["worker_metrics", "manager_metrics", "manager_summary", "ManagerStats",
+           "FULL_PROGRESS_EVERY"]
 
 FULL_PROGRESS_EVERY = 100
 """Every this many reports, progress carries every token: it mends what the manager
@@ -207,3 +208,43 @@ def manager_metrics(st: ManagerStats, ledger: TrajectoryLedger, *, workers: int,
                "workers kept although their lease expired (they kept talking)",
                st.lease_expired_kept),
     ]
+
+
+def manager_summary(st: ManagerStats, ledger: TrajectoryLedger, *, workers: int, acks: Any,
+                    latest: int, cursor: Any, batch: int,
+                    holding_for_resume: bool) -> dict[str, object]:
+    """The manager's figures (``cursor``: its prompt cursor; ``acks``: its ack socket)."""
+    return {
+        "ledger": ledger.counts(),
+        "dispatched": st.dispatched,
+        "acks": st.acks,
+        "workers": workers,
+        "workers_lost": st.workers_lost,
+        "repacks": st.repacks,
+        "repack_migrated": st.repack_migrated,
+        "repack_seconds": round(st.repack_seconds, 4),
+        "migration_seconds_mean": round(
+            st.migration_seconds / st.migrations_placed, 4)
+        if st.migrations_placed else None,
+        "recovery_seconds": [round(x, 3) for x in st.recovery_seconds],
+        "resumed": ledger.counters.resumed,
+        "kv_carried": ledger.counters.kv_carried,
+        "restarted": ledger.counters.restarted,
+        "stale_reports": ledger.counters.stale_reports,
+        "trainer_rejections": st.trainer_rejections,
+        "stale_after_resume": st.stale_after_resume,
+        "groups_filtered": ledger.filtered_groups,
+        "filtered_unknown": ledger.counters.filtered_unknown,
+        "lease_expired_kept": st.lease_expired_kept,
+        "workers_cut_off": st.workers_cut_off,
+        "ack_rejected_frames": dict(acks.stats.rejected) if acks else {},
+        "pulls_commanded": st.pulls_commanded,
+        "latest_version": latest,
+        "cursor": cursor.state(),
+        "batch": batch,
+        "prompts_exhausted": cursor.exhausted(),
+        "holding_for_resume": holding_for_resume,
+        "settled": ledger.settled(),
+        "settled_below": ledger.settled_below,
+        "compacted_groups": ledger.compacted_groups,
+    }

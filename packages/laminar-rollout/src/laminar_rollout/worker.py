@@ -53,7 +53,7 @@ from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.net import is_wildcard
 from laminar_common.roles import Extra, Role
 from laminar_common.service import Service, drain
-from laminar_common.transport import Client, make_client
+from laminar_common.transport import Client
 
 from .config import WorkerConfig
 from .conversations import Completed, make_conversations
@@ -62,6 +62,7 @@ from .engines import SamplingParams as EngineSampling
 from .engines.base import KVState
 from .engines.kv_wire import kv_from_wire
 from .kv_migration import KvMigration
+from .manager_link import connect_manager
 from .outbox import Outbox
 from .partials import ProgressDeltas
 from .relay_fetch import FetchedVersion, WeightFetcher
@@ -172,31 +173,12 @@ class WorkerService(Service):
     def _connect_manager(self, timeout_s: float = 60.0,
                          known: MemberRecord | None = None) -> None:
         """Say hello to the manager: ``known`` (no etcd call), else the one registered."""
-        deadline = time.monotonic() + timeout_s
-        while not self.stopping.is_set():
-            managers = {known.member_id: known} if known is not None else \
-                self.coordinator.members(Role.MANAGER)
-            if managers:
-                rec = sorted(managers.values(), key=lambda r: r.member_id)[0]
-                hello = codec.Hello(member_id=self.worker_id, role=Role.WORKER,
-                                    protocol_version=codec.PROTOCOL_VERSION,
-                                    package_version=__version__,
-                                    capacity=self.engine.load().max_batch)
-                client = make_client(rec.address, hello, auth=self._curve)
-                try:
-                    client.connect(timeout_s=10)
-                except TransportError:
-                    client.close()
-                    raise
-                self.manager = client
-                self._manager_key = rec.incarnation
-                self._manager_rec = rec
-                log.info("connected to manager %s at %s", rec.member_id, rec.address)
-                return
-            if time.monotonic() > deadline:
-                raise LaminarError(f"no manager registered in job {self.config.job!r} "
-                                   f"after {timeout_s:.0f}s")
-            self.stopping.wait(0.2)
+        linked = connect_manager(self.coordinator, self.worker_id, self.engine.load().max_batch,
+                                 self.stopping, auth=self._curve, timeout_s=timeout_s,
+                                 known=known)
+        if linked is not None:
+            self.manager, self._manager_rec = linked
+            self._manager_key = self._manager_rec.incarnation
 
     def _on_trainer(self, event: MembershipEvent) -> None:
         self._events.put(("trainer", event))
