@@ -250,6 +250,23 @@ plane.close()
 """
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until every thread of ``pid`` is in the stopped state (``T`` in /proc)."""
+    import os
+
+    deadline = time.monotonic() + timeout_s
+    states: list[str] = []
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                states.append(fh.read().rsplit(")", 1)[1].split()[0])
+        if states and all(state == "T" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s}s: {states}")
+
+
 def test_a_paused_source_costs_one_timeout_and_still_holds_the_cache_when_it_resumes():
     """The source is another process, stopped (SIGSTOP) after its export: the destination
     gives up after its timeout (and re-prefills); resumed, the source serves the cache."""
@@ -263,6 +280,9 @@ def test_a_paused_source_costs_one_timeout_and_still_holds_the_cache_when_it_res
     try:
         ref = msgspec.json.decode(proc.stdout.readline(), type=KvRef)
         os.kill(proc.pid, signal.SIGSTOP)
+        # SIGSTOP takes effect when each thread is next scheduled: on a loaded machine the
+        # plane's I/O thread could still answer. Fetch only once every thread is stopped.
+        _wait_stopped(proc.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(KvFetchError, match=r"p3#0 from tcp://.*no answer in 0.5s"):
