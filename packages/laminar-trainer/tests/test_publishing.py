@@ -101,7 +101,7 @@ def test_an_unknown_dtype_names_the_version_and_tensor_and_both_tiers_share_the_
     client = RecordingClient()
     publish_state_dict(client, {"a": torch.ones(2), "b": torch.zeros(3)}, 4)
     manifest, buffer = client.published[4]
-    assert [n for n, _ in tensors_from(client.fetch(4))] == ["a", "b"]
+    assert [n for n, _ in tensors_from(client.fetch(4), torch)] == ["a", "b"]
     bad_spec = msgspec.structs.replace(manifest.tensors[1], dtype="float7")
     bad = msgspec.structs.replace(manifest, tensors=(manifest.tensors[0], bad_spec))
     with pytest.raises(ProtocolError, match=r"weight v4: tensor 'b' has unknown dtype 'float7'"):

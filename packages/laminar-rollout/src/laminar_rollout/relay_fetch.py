@@ -83,10 +83,12 @@ def make_relay_fetcher(client: RelayClient, *, with_tensors: bool = True,
         extra = {"wire_bytes": fetched.wire_bytes, "delta": fetched.source == "delta"}
         if not with_tensors:
             return FetchedVersion(fetched.version, None, fetched.release, **extra)
+        import torch
+
         try:
             # Read-only views of the relay's buffer: engines copy them into their own
             # parameters before release() and never write through them.
-            tensors = tensors_from(fetched)
+            tensors = tensors_from(fetched, torch)
         except ProtocolError:
             fetched.release()
             raise

@@ -69,7 +69,7 @@ def state_dict_from(fetched: FetchedWeights, *, copy: bool = True) -> dict[str, 
     Raises:
         ProtocolError: a tensor's dtype is not a torch dtype.
     """
-    return dict(tensors_from(fetched, copy=copy))
+    return dict(tensors_from(fetched, torch, copy=copy))
 
 
 def load_into(module: torch.nn.Module, fetched: FetchedWeights, *, strict: bool = True) -> int:

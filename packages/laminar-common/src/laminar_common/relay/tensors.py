@@ -1,33 +1,32 @@
-"""A fetched weight version as torch tensors: the one conversion both tiers use.
+"""A fetched weight version as tensors: the one conversion both tiers use.
 
 The trainer (:func:`laminar_trainer.publishing.state_dict_from`, ``load_into``) and
 the rollout (``laminar_rollout.relay_fetch``) read a version with
-:func:`tensors_from`. Dtypes travel as torch dtype names without the ``torch.``
-prefix (``float32``, ``bfloat16``); shapes come from the manifest. torch is imported
-when this is called, never when ``laminar_common`` is imported (common installs and
-runs without torch).
+:func:`tensors_from`, passing their ``torch`` module: laminar-common never imports an
+array library (it installs and runs without torch). Dtypes travel as torch dtype names
+without the ``torch.`` prefix (``float32``, ``bfloat16``); shapes come from the
+manifest.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from laminar_common.errors import ProtocolError
 
 if TYPE_CHECKING:
-    import torch
-
     from laminar_common.relay.client import FetchedWeights
 
 __all__ = ["tensors_from"]
 
 
-def tensors_from(fetched: FetchedWeights, *, copy: bool = False) -> list[tuple[str, torch.Tensor]]:
+def tensors_from(fetched: FetchedWeights, torch: Any, *, copy: bool = False) -> list[tuple[str, Any]]:
     """``(name, tensor)`` for each tensor of ``fetched``, in manifest order, with its
     published dtype and shape.
 
     Args:
+        torch: the caller's ``torch`` module (what builds the tensors).
         copy: True gives tensors of their own; False (default) read-only views of the
             fetched buffer (zero-copy, shared memory on the same host): never write
             through them, and keep ``fetched`` (unreleased) while they are used.
@@ -36,8 +35,6 @@ def tensors_from(fetched: FetchedWeights, *, copy: bool = False) -> list[tuple[s
         ProtocolError: a tensor's dtype is not a torch dtype (names the version and
             the tensor).
     """
-    import torch
-
     views = fetched.tensors()
     out = []
     for spec in fetched.manifest.tensors:
