@@ -195,24 +195,6 @@ class ExperienceBuffer:
                 self._completed_locked(group)
             return Added.YES
 
-    def known(self, traj: Trajectory) -> Added | None:
-        """CONSUMED or DUPLICATE if a copy of ``traj``'s id was consumed or is buffered
-        (counted as :meth:`add` would), else None. The trainer asks before validating, so
-        a broken copy of an id it already holds never counts against that id."""
-        with self._cond:
-            if self._consumed_locked(traj):
-                self.stats.received += 1
-                self.stats.already_consumed += 1
-                return Added.CONSUMED
-            group = self._groups.get(traj.prompt_id)
-            held = group.members.get(traj.sample_index) if group is not None else None
-            if traj.trajectory_id in self._limbo or \
-                    (held is not None and held.trajectory_id == traj.trajectory_id):
-                self.stats.received += 1
-                self.stats.duplicates += 1
-                return Added.DUPLICATE
-            return None
-
     def _consumed_locked(self, traj: Trajectory) -> bool:
         """Move the watermark to ``traj``'s, then: was its id consumed (or its group
         settled)? Caller holds the lock."""
