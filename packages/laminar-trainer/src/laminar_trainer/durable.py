@@ -48,7 +48,7 @@ class AckAfterCheckpoint:
         without checkpoints."""
         cfg = self.config
         if not cfg.checkpoint.dir:
-            self.ack(step, version)
+            self.ack()
         elif step % cfg.checkpoint.every_steps == 0 or step == cfg.total_steps:
             self.checkpoint(step, version)
 
@@ -70,12 +70,11 @@ class AckAfterCheckpoint:
         self.policy.checkpoint(state)
         log.info("checkpoint at step %d in %.2fs", step, time.monotonic() - t0)
         self.last_step = step
-        self.ack(step, version)
+        self.ack()
 
-    def ack(self, step: int, version: int) -> None:
+    def ack(self) -> None:
         """Everything consumed is durable now: ack it (with the final rejections the
-        checkpoint recorded; the door re-sends what a manager did not take)."""
-        door = self._door()
-        door.step, door.version = step, version
+        checkpoint recorded; the door re-sends what a manager did not take). The acks
+        carry the step and version the trainer stamped on the door after the step."""
         ids, self.unacked = self.unacked, []
-        door.ack(ids)
+        self._door().ack(ids)
