@@ -93,7 +93,8 @@ class WorkerService(Service):
         self.engine = engine
         self.tokenizer = tokenizer
         self.counters: collections.Counter[str] = collections.Counter()
-        self.kv = KvMigration(config, engine, self.counters, auth=config.auth.curve())
+        self._curve = config.auth.curve()
+        self.kv = KvMigration(config, engine, self.counters, auth=self._curve)
         """KV caches in and out with migrated trajectories (:mod:`.kv_migration`)."""
         self.weights = WeightSync(engine, fetch_weights, config.weight_load_timeout_s,
                                   self.counters, what=f"worker {config.worker_id}")
@@ -114,7 +115,6 @@ class WorkerService(Service):
         self._manager_rec: MemberRecord | None = None
         self._rejoin_to: MemberRecord | None = None
         self.metrics: MetricsServer | None = None
-        self._curve = config.auth.curve()
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._tasks: dict[str, PromptTask] = {}
         self._fresh: collections.deque[PromptTask] = collections.deque()

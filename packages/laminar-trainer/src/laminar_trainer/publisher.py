@@ -274,17 +274,17 @@ class WeightPublisher:
             on_close()
 
 
-def relay_publisher(config, coordinator, stop: threading.Event) -> WeightPublisher:
+def relay_publisher(config, coordinator, stop: threading.Event, curve=None) -> WeightPublisher:
     """A :class:`WeightPublisher` handing versions to the job's master relay through the
     publish half of the relay client (:class:`~laminar_common.relay.writer.RelayPublisher`,
-    closed with it): TLS from ``auth.dir``, CURVE, deltas every
-    ``publish_delta_full_every``, and a version given up when a newer one waits."""
+    closed with it): TLS from ``auth.dir``, CURVE keys ``curve`` (``auth.curve()``), deltas
+    every ``publish_delta_full_every``, and a version given up when a newer one waits."""
     from laminar_common.auth import TlsFiles
     from laminar_common.relay.writer import RelayPublisher
 
     tls = TlsFiles.client_from_dir(config.auth.dir, "publisher") if config.auth.dir else None
     client = RelayPublisher(coordinator, client_id=config.trainer_id, tls=tls,
-                            curve=config.auth.curve(), host=config.host,
+                            curve=curve, host=config.host,
                             delta_full_every=config.publish_delta_full_every)
     made: list[WeightPublisher] = []
 

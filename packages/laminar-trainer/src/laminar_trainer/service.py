@@ -200,7 +200,7 @@ class TrainerService(Service):
         if self.coordinator is None:
             self.coordinator = make_coordinator(cfg.etcd, cfg.job)
         self.status = StatusWriter(self.coordinator, "trainer status")
-        self.publisher = relay_publisher(cfg, self.coordinator, self.stopping) \
+        self.publisher = relay_publisher(cfg, self.coordinator, self.stopping, self._curve) \
             if self.publish_fn is None else WeightPublisher(self.publish_fn, stop=self.stopping)
         start = begin(cfg, self.policy, self.logs, self.resume)
         self.step, self.version = start.step, start.version
