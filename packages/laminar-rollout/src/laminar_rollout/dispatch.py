@@ -34,11 +34,14 @@ class Dispatch:
         send: ``send(worker_id, message) -> bool``.
         cut_off: the workers cut off from the trainer (no new work for them).
         laminar: the manager's mode is ``laminar`` (repack runs only there).
+        migrations: trajectory id -> (planned destination, when the export was
+            commanded), shared with the roster (a migration lost with its source goes).
     """
 
     def __init__(self, workers: dict[str, WorkerState], ledger: TrajectoryLedger,
                  stats: ManagerStats, send: Callable[[str, codec.Message], bool],
-                 cut_off: Callable[[], set[str]], repack: RepackConfig, laminar: bool) -> None:
+                 cut_off: Callable[[], set[str]], repack: RepackConfig, laminar: bool,
+                 migrations: dict[str, tuple[str, float]]) -> None:
         self.workers = workers
         self.ledger = ledger
         self.stats = stats
@@ -46,8 +49,7 @@ class Dispatch:
         self._cut_off = cut_off
         self.repack = repack
         self.laminar = laminar
-        self.migrations: dict[str, tuple[str, float]] = {}
-        """Trajectory id -> (planned destination, when the export was commanded)."""
+        self.migrations = migrations
         self._last_repack = time.monotonic()
 
     def views(self) -> list[WorkerView]:

@@ -109,9 +109,9 @@ class ManagerService(Service):
         """The connected workers, lost ones and recoveries (:mod:`.roster`)."""
         self.workers = self.roster.workers
         self.dispatch = Dispatch(self.workers, self.ledger, self.stats, self._send,
-                                 self.roster.cut_off, config.repack, config.mode == "laminar")
+                                 self.roster.cut_off, config.repack, config.mode == "laminar",
+                                 migrations)
         """Pulls, grants, placements and repack rounds to the workers (:mod:`.dispatch`)."""
-        self.dispatch.migrations = migrations
         self._last_log = 0.0
         self._last_ledger_log = 0.0
         self._drained_announced = False
