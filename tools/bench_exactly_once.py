@@ -5,7 +5,7 @@ training step, no sockets): the manager's ``TrajectoryLedger`` (groups created,
 dispatched, finished and durably acked, its state file written as
 ``ManagerService`` writes it) and the trainer's ``ExperienceBuffer`` (the same
 trajectories added, consumed by steps, the trainer's checkpoint ``trainer.json``
-written as ``TrainerService._checkpoint`` writes it). Each role runs in its own
+written as ``AckAfterCheckpoint.checkpoint`` writes it). Each role runs in its own
 child process so its resident memory (VmRSS, minus the process's RSS before the
 run) is its own.
 

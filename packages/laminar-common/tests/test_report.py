@@ -1,8 +1,8 @@
 """`laminar report RUN_DIR` on a trainer run dir written by hand in the trainer's formats.
 
 The files mirror what laminar-trainer's ``TrainerService`` writes (a
-``metrics.jsonl`` row per step from ``_one_step``/``_write_metrics``,
-``consumed.jsonl`` from ``_log_consumed``, ``summary.json`` from ``_finish``)
+``metrics.jsonl`` row per step (``StepLoop.one_step``), ``consumed.jsonl``
+(``RunFiles.consumed``), ``summary.json`` from ``_finish``)
 and what a rollout worker writes to its ``stats_path`` on exit
 (``RolloutWorker.stats()``), with numbers chosen so every figure of the
 report can be computed here.

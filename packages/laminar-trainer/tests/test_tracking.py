@@ -336,7 +336,7 @@ def test_service_tracks_rows_eval_and_summary_and_counts_tracker_errors(tmp_path
     assert steps == [0, 1, 2, 2, 2]  # eval before, two rows, eval after, summary
     eval_keys = {"eval_accuracy", "eval_mean_length", "eval_truncated", "eval_reward_errors",
                  "eval_seconds"}
-    assert set(ok.rows[0][1]) == eval_keys and ok.rows[0][1]["eval_accuracy"] == svc.eval_before
+    assert set(ok.rows[0][1]) == eval_keys and ok.rows[0][1]["eval_accuracy"] == svc.heldout.before
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # every_steps 1: step 1 is evaluated in the loop; the last step's weights once, after it.
     assert eval_keys <= set(rows[0]) and rows[0]["eval_seconds"] > 0
@@ -344,7 +344,7 @@ def test_service_tracks_rows_eval_and_summary_and_counts_tracker_errors(tmp_path
     for (_, tracked), row in zip(ok.rows[1:3], rows):
         assert tracked["loss"] == row["loss"] and tracked["reward_mean"] == row["reward_mean"]
         assert tracked["simulated"] == 0.0 and "step" not in tracked and "time" not in tracked
-    assert set(ok.rows[3][1]) == eval_keys and ok.rows[3][1]["eval_accuracy"] == svc.eval_after
+    assert set(ok.rows[3][1]) == eval_keys and ok.rows[3][1]["eval_accuracy"] == svc.heldout.after
     summary_row = ok.rows[4][1]
     assert summary_row["summary/steps"] == 2.0 and summary_row["summary/tokens_consumed"] == 24
     assert sum(v for k, v in summary_row.items() if k.startswith("summary/staleness_hist/")) == 8

@@ -186,7 +186,7 @@ def test_after_a_resume_trajectories_older_than_the_bound_are_generated_again(
         assert svc2.step == 2 and svc2.version == 3 and svc2.intake.resume_floor == 2
         stale = [t for p in "ef" for t in _trajs(p, version=0)]
         h.send(svc2, stale * 2)  # and again: still not given up on
-        assert _wait(lambda: svc2.refused_stale_resume == 8, 20), svc2.refused_stale_resume
+        assert _wait(lambda: svc2.intake.refused_stale_resume == 8, 20), svc2.intake.refused_stale_resume
         assert len(svc2.buffer) == 0 and svc2.step == 2
         h.send(svc2, [t for p in "gh" for t in _trajs(p, version=2)])
         # e and f generated again by the resumed weights
@@ -491,7 +491,7 @@ def test_a_non_finite_step_leaves_the_weights_alone(tmp_path, model_dir):
         trajs = _trajs("n")
         trajs[0] = _bad(trajs[0], reward=math.nan)  # past the door, as if it slipped by
         group = Group("n", 2, {t.sample_index: t for t in trajs})
-        result = train_step(svc.model, svc.optimizer, svc.scheduler, [group], svc.config)
+        result = train_step(svc.model, svc.policy.optimizer, svc.policy.scheduler, [group], svc.config)
         assert result.stats["skipped_nonfinite"] == 1.0
         for k, v in svc.model.state_dict().items():
             assert torch.equal(v, before[k]), k
@@ -572,8 +572,8 @@ def test_dynamic_sampling_trains_only_informative_groups_and_tells_the_manager(
         h.send(svc, _uniform("u1") + _trajs("a") + _uniform("u2", reward=0.0) + _trajs("b"))
         # The step counter moves before the step's accounting: u3 goes out only once
         # step 1 has accounted u1 and u2, or step 1 may count u3 too.
-        assert _wait(lambda: svc.step == 1 and svc._filtered_last_step == 2, 30), \
-            (svc.step, svc._filtered_last_step)
+        assert _wait(lambda: svc.step == 1 and svc.progress.groups_filtered == 2, 30), \
+            (svc.step, svc.progress.groups_filtered)
         # The notices come while the trainer waits (no step needed), before any ack.
         h.send(svc, _uniform("u3") + _trajs("c"))
         assert _wait(lambda: (h.drain_acks(0.1), sorted(h.filtered))[1] == ["u1", "u2", "u3"],
@@ -593,7 +593,7 @@ def test_dynamic_sampling_trains_only_informative_groups_and_tells_the_manager(
         assert svc.buffer.stats.filtered == 3 and svc.summary()["buffer"]["filtered"] == 3
         # Step 1 accounted u1 and u2 (complete before b), step 2 u3 (filtered while
         # the trainer waited after step 1).
-        assert svc._filtered_last_step == 1
+        assert svc.progress.groups_filtered == 1
 
         # The manager restarts elsewhere: it is told every filtered group again.
         h.manager_coord.close()
@@ -625,7 +625,7 @@ def test_dynamic_sampling_off_trains_uniform_groups(tmp_path, model_dir):
         assert _wait(lambda: svc.finished.is_set(), 30)
         h.drain_acks(0.3)
         assert h.filtered == [] and svc.buffer.stats.filtered == 0
-        assert svc._filtered_last_step == 0
+        assert svc.progress.groups_filtered == 0
     finally:
         svc.close()
 
