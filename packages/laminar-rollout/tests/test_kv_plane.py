@@ -173,7 +173,7 @@ def _run_destination(worker: WorkerService, task: PromptTask):
     while worker.kv.waiting and time.monotonic() < deadline:
         time.sleep(0.02)
         for ready in worker.kv.collect():  # what the worker's loop does each turn
-            worker._add(ready)
+            worker.generation.add(ready)
     assert not worker.kv.waiting
     (out,) = worker.engine.run_until_done([])
     return out

@@ -4,10 +4,12 @@ Owns one engine, its tokenizer and reward function, a DEALER connection to the
 manager, a PUSH connection to the trainer and an outbox. It registers in etcd
 (role ``worker``) and finds the manager, the trainer and the relays there.
 
-A composition root: the engine, the outbox (:mod:`.outbox`: pushes to the trainer,
-re-sends, drops on the durable ack), the weight fetcher (:mod:`.relay_fetch`), the
-reward pool (:mod:`.rewards`), conversations (:mod:`.conversations`) and the KV plane
-(:mod:`.kv_migration`, with the KV plane), driven by one loop.
+A composition root: the engine and what it works on (:mod:`.generation`: admission,
+engine requests, turns, exports), the outbox (:mod:`.outbox`: pushes to the trainer,
+re-sends, drops on the durable ack), weight sync (:mod:`.weight_sync`, fetching through
+:mod:`.relay_fetch`), the reward pool and scoring (:mod:`.rewards`, :mod:`.scoring`),
+conversations (:mod:`.conversations`) and the KV plane (:mod:`.kv_migration`), driven by
+one loop.
 
 The loop (one thread owns the engine and every socket):
 
@@ -46,7 +48,7 @@ import msgspec
 
 from laminar_common import codec
 from laminar_common.codec import PartialProgress, PromptTask, WorkerReport
-from laminar_common.errors import ConfigError, LaminarError, TransportError
+from laminar_common.errors import LaminarError, TransportError
 from laminar_common.etcd import make_coordinator
 from laminar_common.membership import MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
@@ -56,11 +58,9 @@ from laminar_common.service import Service, drain
 from laminar_common.transport import Client
 
 from .config import WorkerConfig
-from .conversations import Completed, make_conversations
-from .engines import EngineError, GenerationEngine, GenerationOutput, GenerationRequest
-from .engines import SamplingParams as EngineSampling
-from .engines.base import KVState
-from .engines.kv_wire import kv_from_wire
+from .conversations import make_conversations
+from .engines import GenerationEngine
+from .generation import Generation
 from .kv_migration import KvMigration
 from .manager_link import connect_manager
 from .outbox import Outbox
@@ -107,8 +107,9 @@ class WorkerService(Service):
         self.conversations = make_conversations(
             config.environment, tokenizer, reuse_kv=engine.supports_kv_transfer) \
             if config.environment is not None else None
-        self._between_turns: dict[str, PromptTask] = {}
-        """Multi-turn trajectories whose environment is answering (held, not in the engine)."""
+        self.generation = Generation(engine, tokenizer, self.conversations, self.kv,
+                                     self.scoring, self.counters, self._reject)
+        """Trajectories from admission until scoring (:mod:`.generation`)."""
         self.coordinator = coordinator
         self.manager: Client | None = None
         self._manager_key: tuple[str, float] | None = None
@@ -116,8 +117,6 @@ class WorkerService(Service):
         self._rejoin_to: MemberRecord | None = None
         self.metrics: MetricsServer | None = None
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._tasks: dict[str, PromptTask] = {}
-        self._fresh: collections.deque[PromptTask] = collections.deque()
         self._done_since_report: list[str] = []
         self._last_report = 0.0
         self.partials = ProgressDeltas(config.worker_id, self.counters)
@@ -229,34 +228,27 @@ class WorkerService(Service):
                 self.stopping.wait(0.5)
                 self._reconnect_manager(self._rejoin_to)
                 continue
-            busy = self.engine.has_unfinished()
-            wait = 0.0 if busy or self._fresh else \
-                (0.002 if self.scoring.waiting or self._between_turns or self.kv.waiting else 0.02)
-            msg = self.manager.recv(timeout_s=wait)
+            msg = self.manager.recv(timeout_s=self.generation.idle_wait_s())
             while msg is not None:
                 self._handle(msg)
                 msg = self.manager.recv(timeout_s=0) if self.manager is not None else None
             for task in self.kv.collect():
-                self._add(task)
-            # Weights change only between trajectories: nothing in the engine, migrating
-            # in, or between turns.
-            if self.weights.due() and not self.engine.has_unfinished() and \
-                    not self.kv.waiting and \
-                    not (self.conversations is not None and self.conversations.busy):
+                self.generation.add(task)
+            # Weights change only between trajectories.
+            if self.weights.due() and self.generation.may_swap_weights():
                 self._mark("weights")
                 if self.weights.load_pending():
                     self._report(force=True)
             if self.weights.pending is None:
-                self._start_fresh()
+                self.generation.start_fresh()
             if self.engine.has_unfinished():
                 self._mark("busy")
                 t0 = time.monotonic()
-                for out in self.engine.step():
-                    self._finish(out)
+                self.generation.step()
                 self.busy_s += time.monotonic() - t0
             else:
                 self._mark("idle")
-            self._next_turns()
+            self.generation.next_turns()
             self._collect_scored()
             self._report(force=self._refill_due())
             self.outbox.tick()
@@ -268,7 +260,7 @@ class WorkerService(Service):
         if not done or self.config.refill_fraction <= 0 or \
                 time.monotonic() - self._last_report < _MIN_EARLY_REPORT_S:
             return False
-        if not self.engine.has_unfinished() and not self._fresh:
+        if not self.engine.has_unfinished() and not self.generation.fresh:
             return True
         return done >= max(1.0, self.config.refill_fraction * self._last_load.max_batch)
 
@@ -301,15 +293,7 @@ class WorkerService(Service):
         them twice; finished ones stay in the outbox until the trainer's ack
         (the trainer refuses a second copy by id).
         """
-        dropped = self.engine.abort() if self.engine.has_unfinished() else []
-        dropped_ids = [out.request_id for out in dropped] + [t.trajectory_id for t in self._fresh]
-        dropped_ids += self.kv.drop_waiting()
-        if self.conversations is not None:
-            self.conversations.clear()
-            dropped_ids += [t for t in self._between_turns if t not in dropped_ids]
-            self._between_turns.clear()
-        self._tasks.clear()
-        self._fresh.clear()
+        dropped_ids = self.generation.drop_all()
         self._done_since_report.clear()
         self._rejoin_to = known
         self.counters["manager_switches" if known is None else "rejoins"] += 1
@@ -331,18 +315,7 @@ class WorkerService(Service):
 
     def _handle(self, msg: codec.Message) -> None:
         if isinstance(msg, PromptTask):
-            if msg.resume_token_ids and msg.policy_version != self.engine.weight_version:
-                log.warning("resume of %s at v%d refused by v%d worker; restarting it",
-                            msg.trajectory_id, msg.policy_version, self.engine.weight_version)
-                self.counters["resume_refused"] += 1
-                msg = _without_resume(msg)
-            msg = self.kv.incoming(msg)
-            if msg is None:
-                pass  # its cache is being fetched: KvMigration.collect returns it
-            elif msg.resume_token_ids:
-                self._add(msg)
-            else:
-                self._fresh.append(msg)
+            self.generation.admit(msg)
         elif isinstance(msg, codec.PullWeights):
             if not self.weights.want(msg.version):
                 self._report(force=True)
@@ -356,90 +329,9 @@ class WorkerService(Service):
         else:
             log.warning("ignoring %s from manager", type(msg).__name__)
 
-    def _start_fresh(self) -> None:
-        while self._fresh:
-            self._add(self._fresh.popleft())
-
-    def _add(self, task: PromptTask) -> None:
-        s = task.sampling
-        stop = tuple(s.stop_token_ids) or tuple(self.tokenizer.eos_token_ids)
-        try:
-            max_tokens = s.max_tokens
-            if self.conversations is not None:
-                ids, max_tokens = self.conversations.begin(task)
-            else:
-                ids = list(task.prompt_token_ids) or self.tokenizer.encode_prompt(
-                    task.messages or task.prompt)
-            params = EngineSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    max_tokens=max_tokens, stop_token_ids=stop, seed=s.seed)
-
-            def request(kv: KVState | None = None) -> GenerationRequest:
-                return GenerationRequest(
-                    request_id=task.trajectory_id, prompt_token_ids=ids, params=params,
-                    resume_token_ids=list(task.resume_token_ids),
-                    resume_logprobs=list(task.resume_logprobs),
-                    policy_version=task.policy_version if task.resume_token_ids else None,
-                    keep_kv=self.conversations is not None and self.conversations.reuse_kv,
-                    kv=kv)
-
-            if task.kv is None:
-                self.engine.add_request(request())
-            else:
-                try:
-                    self.engine.add_request(request(kv_from_wire(task.kv)))
-                    self.counters["kv_migrated_in"] += 1
-                except (EngineError, ValueError) as exc:  # e.g. another model shape
-                    self.engine.add_request(request())  # (fails again if the cache was not why)
-                    self.kv.refuse(task, str(exc))
-        except (EngineError, ConfigError, ValueError) as exc:
-            self.counters["rejected"] += 1
-            if self.conversations is not None:
-                self.conversations.drop(task.trajectory_id)
-            self.manager.send(codec.GenerationRejected(trajectory_ids=(task.trajectory_id,),
-                                      reason=str(exc)))
-            return
-        # (the engine holds the cache now: the task need not keep a copy)
-        self._tasks[task.trajectory_id] = msgspec.structs.replace(task, kv=None) \
-            if task.kv is not None else task
-
-    def _finish(self, out: GenerationOutput) -> None:
-        """Generation is over: hand the completion to the reward pool (off the decode loop),
-        or a multi-turn trajectory's turn to its environment."""
-        task = self._tasks.pop(out.request_id)
-        if out.finish_reason == "aborted":
-            if self.conversations is not None:
-                self.conversations.drop(out.request_id)
-            return
-        if self.conversations is None:
-            text = self.tokenizer.decode(out.token_ids)
-            self.scoring.submit(task, Completed.single_turn(out, text))
-            return
-        done = self.conversations.turn_ended(out)
-        if done is None:
-            self._between_turns[task.trajectory_id] = task
-        else:
-            self.scoring.submit(task, done)
-
-    def _next_turns(self) -> None:
-        """Environments that answered: next turns into the engine, finished conversations
-        to the reward pool."""
-        if self.conversations is None or not self._between_turns:
-            return
-        turns, done = self.conversations.poll()
-        for task, request in turns:
-            self._between_turns.pop(task.trajectory_id, None)
-            try:
-                self.engine.add_request(request)
-            except EngineError as exc:  # e.g. the conversation outgrew the context
-                log.warning("next turn of %s refused by the engine (%s): it ends here",
-                            task.trajectory_id, exc)
-                self.counters["turn_refused"] += 1
-                self.scoring.submit(task, self.conversations.end(task.trajectory_id))
-                continue
-            self._tasks[task.trajectory_id] = task
-        for task, completed in done:
-            self._between_turns.pop(task.trajectory_id, None)
-            self.scoring.submit(task, completed)
+    def _reject(self, trajectory_id: str, reason: str) -> None:
+        self.manager.send(codec.GenerationRejected(trajectory_ids=(trajectory_id,),
+                                                   reason=reason))
 
     def _collect_scored(self) -> None:
         """Scored trajectories: reported done and into the outbox (pushed now)."""
@@ -449,28 +341,9 @@ class WorkerService(Service):
             self.outbox.add(traj)
 
     def _export(self, ids: Iterable[str]) -> None:
-        # Only what the engine holds moves: a conversation waiting on its tool call stays
-        # (its side effects are running here); one between turns in the engine moves
-        # with its conversation state.
-        wanted = [t for t in ids if t in self._tasks]
-        # It takes its cache along; a conversation's covers its turns so far, tool results
-        # included (the destination continues the same tokens: its prompt ids and
-        # resumed tokens travel as they are, never rendered again).
-        with_kv = self.kv.with_kv
-        limit = self.kv.limit
-        for req in (self.engine.export_with_kv(wanted, max_bytes=limit) if with_kv
-                    else self.engine.export(wanted)):
-            task = self._tasks.pop(req.request_id)
-            conversation = self.conversations.export_state(req.request_id, replayable=True) \
-                if self.conversations is not None else None
-            self.manager.send(msgspec.structs.replace(
-                task, prompt_token_ids=tuple(req.prompt_token_ids),
-                resume_token_ids=tuple(req.resume_token_ids),
-                resume_logprobs=tuple(req.resume_logprobs),
-                policy_version=req.policy_version if req.policy_version is not None else -1,
-                conversation=conversation, kv=self.kv.out(req) if with_kv else None,
-            ))
-            self.counters["exported"] += 1
+        """Repack: what the engine holds of ``ids`` to the manager, to go on elsewhere."""
+        for task in self.generation.export(ids):
+            self.manager.send(task)
         self._report(force=True)
 
     def _report(self, force: bool = False) -> None:
@@ -496,11 +369,10 @@ class WorkerService(Service):
                      extra: list[PartialProgress]) -> None:
         self.manager.send(WorkerReport(
             worker_id=self.worker_id, policy_version=self.engine.weight_version,
-            active=load.active, queued=load.queued + len(self._fresh),
+            active=load.active, queued=load.queued + len(self.generation.fresh),
             max_batch=0 if full else load.max_batch, kv_used_tokens=load.kv_used_tokens,
             kv_capacity_tokens=load.kv_capacity_tokens,
-            holding=tuple(self._tasks) + tuple(self.scoring.waiting) + tuple(self._between_turns)
-            + tuple(self.kv.waiting),
+            holding=self.generation.holding(),
             done=tuple(self._done_since_report), progress=batched,
             trainer_down_s=round(self.outbox.down_s, 2),
         ))
@@ -511,7 +383,3 @@ class WorkerService(Service):
 _MIN_EARLY_REPORT_S = 0.01
 """Early reports (``refill_fraction``) come at most this often."""
 
-
-def _without_resume(task: PromptTask) -> PromptTask:
-    return msgspec.structs.replace(task, resume_token_ids=(), resume_logprobs=(),
-                                   policy_version=-1, conversation=None)
