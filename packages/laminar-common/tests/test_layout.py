@@ -200,6 +200,46 @@ def test_components_never_import_their_service(tier):
     assert not offenders, f"{tier}: components import a service: {offenders}"
 
 
+SERVICE_MAX_LINES = 450
+"""A composition root wires its parts and runs its loop; past this it is doing their work."""
+FUNCTION_MAX_LINES = 80
+"""Lines of a function's code (its docstring aside)."""
+
+
+def _code_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = fn.body
+    first = body[0]
+    if len(body) > 1 and isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+            and isinstance(first.value.value, str):
+        first = body[1]
+    return fn.end_lineno - first.lineno + 1
+
+
+def _long_functions(path: Path) -> list[str]:
+    return [f"{path.name}:{node.lineno} {node.name} ({_code_lines(node)} lines)"
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and _code_lines(node) > FUNCTION_MAX_LINES]
+
+
+@pytest.mark.parametrize("tier", sorted(SERVICES))
+def test_services_stay_composition_roots(tier):
+    """Each service module under ``SERVICE_MAX_LINES`` lines."""
+    root = _package_dir(tier)
+    sizes = {m: len((root.parent / (m.replace(".", "/") + ".py")).read_text().splitlines())
+             for m in SERVICES[tier]}
+    assert all(n <= SERVICE_MAX_LINES for n in sizes.values()), \
+        f"{tier}: a service over {SERVICE_MAX_LINES} lines: {sizes}"
+
+
+@pytest.mark.parametrize("library", sorted(LIBRARIES))
+def test_no_function_is_over_the_limit(library):
+    root = _package_dir(library)
+    long = [f for path in sorted(root.rglob("*.py"))
+            if "proto" not in path.relative_to(root).parts for f in _long_functions(path)]
+    assert not long, f"{library}: functions over {FUNCTION_MAX_LINES} lines of code: {long}"
+
+
 def test_the_layout_checks_see_what_they_forbid(tmp_path):
     """The checks catch a toolkit import inside a function, a relative import of the
     examples, and a demo module by its name."""
@@ -213,3 +253,7 @@ def test_the_layout_checks_see_what_they_forbid(tmp_path):
                       "laminar_examples") == {}
     assert _importing({"x": {"laminar_examples.tasks"}}, "laminar_examples") == {
         "x": ["laminar_examples.tasks"]}
+    long = tmp_path / "long.py"
+    long.write_text('def f():\n    """Doc."""\n' + "    x = 1\n" * 81 + "\n"
+                    'def g():\n    """Doc."""\n' + "    x = 1\n" * 80)
+    assert [f.split()[1] for f in _long_functions(long)] == ["f"]

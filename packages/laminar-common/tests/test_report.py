@@ -29,7 +29,7 @@ from laminar_common.launch.report import (
 )
 
 T0 = 1_700_000_000.0
-"""Wall time of the first step's start of waiting (the trainer's ``_t_first_step``)."""
+"""Wall time of the first step's start of waiting (the trainer's ``Progress.t_first_step``)."""
 
 # Per step: seconds waited for data, seconds of the step, and the step's trajectories as
 # (reward, response tokens, staleness = trainer version at consume - generating version).
