@@ -705,7 +705,7 @@ def test_the_step_metrics_split_ratios_and_clipping_by_staleness(tmp_path, model
     h = Harness(tmp_path, model_dir, total_steps=1, checkpoint={"dir": None})
     svc = h.start()
     try:
-        svc.version = 2  # trajectories of v2 are fresh, of v0 two versions stale
+        svc.progress.version = 2  # trajectories of v2 are fresh, of v0 two versions stale
         h.send(svc, _trajs("a", version=2) + _trajs("b", version=0))
         assert _wait(lambda: svc.finished.is_set(), 60)
     finally:

@@ -143,10 +143,6 @@ class TrainerService(Service):
     def version(self) -> int:
         return self.progress.version
 
-    @version.setter
-    def version(self, version: int) -> None:
-        self.progress.version = version
-
     @property
     def model(self):
         """The policy's model (None for a simulated step)."""
