@@ -1,10 +1,11 @@
 """RelayService: one relay process, wired together.
 
-Owns the relay's lifecycle and background work: the data-plane receiver and
-the pool that checksums and stores incoming chunks, the gRPC server, the
-chain forwarder, registration in etcd (control address, data-plane address,
-store kind), the master election and the control loop that follows
-membership to rebuild the chain.
+Owns the relay's lifecycle and background work: the data-plane intake
+(:mod:`.intake`: the receiver and the pool that checksums and stores incoming
+chunks), the gRPC server, the chain forwarder (:mod:`.chain`), registration in
+etcd (control address, data-plane address, store kind), the master election
+(:mod:`.election`) and the control loop that follows membership to rebuild the
+chain. Its metrics are read from its health reply (:mod:`.telemetry`).
 
 Behaviour:
 
@@ -52,7 +53,6 @@ from laminar_common.errors import (
 from laminar_common.membership import Coordinator, MemberRecord, MembershipEvent
 from laminar_common.metrics import Metric, MetricsServer
 from laminar_common.net import host_identity, is_wildcard
-from laminar_common.relay.dataplane import ChunkFrame, ZmqChunkReceiver
 from laminar_common.relay.proto import relay_pb2, relay_pb2_grpc
 from laminar_common.relay.wire import (
     EXTRA_DATA_ENDPOINT,
@@ -67,9 +67,11 @@ from laminar_common.service import Service
 from .chain import ChainForwarder
 from .config import RelayConfig
 from .election import ChainPosition
+from .intake import ChunkIntake
 from .memory import make_allocator
 from .server import RelayServicer
-from .store import UnknownSessionError, WeightStore
+from .store import WeightStore
+from .telemetry import relay_metrics
 from .version import __version__
 
 __all__ = ["RelayService", "make_relay_service", "default_member_id"]
@@ -78,7 +80,6 @@ log = logging.getLogger(__name__)
 
 # No SO_REUSEPORT: a second relay given the same port must fail to bind, not share it.
 _SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
-_LOG_FIRST = 20
 _RPC_TIMEOUT_S = 10.0
 """Deadline of a control call to another relay."""
 
@@ -144,10 +145,8 @@ class RelayService(Service):
         """The master election, the chain and the master probe (:mod:`.election`)."""
         self._stubs = RelayStubs(tls_client)
         """gRPC stubs of the other relays (the chain's commits, forwarding)."""
-        self._chunk_rejects: dict[str, int] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        self._slots: threading.BoundedSemaphore | None = None
-        self._receiver: ZmqChunkReceiver | None = None
+        self.intake: ChunkIntake | None = None
+        """The data plane's receiving end (:mod:`.intake`)."""
         self._server: grpc.Server | None = None
         self.servicer: RelayServicer | None = None
         self.forwarder: ChainForwarder | None = None
@@ -157,13 +156,10 @@ class RelayService(Service):
     def _start(self) -> None:
         cfg = self.config
         data, chain = cfg.data, cfg.chain
-        self._pool = ThreadPoolExecutor(data.verify_threads, thread_name_prefix="relay-store")
-        self._slots = threading.BoundedSemaphore(2 * data.verify_threads)
-        self._receiver = ZmqChunkReceiver(
-            self._on_chunk, bind_host=self.bind_host, advertise_host=self.advertise_host,
-            port=data.port, max_chunk_bytes=data.max_chunk_bytes, hwm=data.send_hwm,
-            name=f"data-plane-{self.member_id}", auth=self._curve)
-        self.data_endpoint = self._receiver.endpoint
+        self.intake = ChunkIntake(self.store, self.member_id, data, bind_host=self.bind_host,
+                                  advertise_host=self.advertise_host, curve=self._curve,
+                                  stopping=self.stopping)
+        self.data_endpoint = self.intake.endpoint
         self.forwarder = ChainForwarder(
             self.store, self.member_id, self._stub, send_hwm=data.send_hwm,
             send_timeout_s=data.send_timeout_s, rpc_timeout_s=self._rpc_timeout_s,
@@ -232,10 +228,8 @@ class RelayService(Service):
             self._server.stop(grace=1.0).wait(5.0)
         if self.forwarder is not None:
             self.forwarder.close()
-        if self._receiver is not None:
-            self._receiver.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.intake is not None:
+            self.intake.close()
         self.store.close()
         self._stubs.close()
 
@@ -298,70 +292,16 @@ class RelayService(Service):
     def _stub(self, address: str) -> relay_pb2_grpc.RelayStub:
         return self._stubs.get(address)
 
-    # -- data plane ---------------------------------------------------------
-
-    def _on_chunk(self, frame: ChunkFrame) -> None:
-        assert self._slots is not None and self._pool is not None
-        # Bounded hand-off to the store pool: when it is busy the receive loop
-        # stops reading, and ZeroMQ/TCP push back on the sender.
-        while not self._slots.acquire(timeout=0.2):
-            if self.stopping.is_set():
-                return
-        try:
-            self._pool.submit(self._store_chunk, frame)
-        except RuntimeError:
-            self._slots.release()
-            raise
-
-    def _store_chunk(self, frame: ChunkFrame) -> None:
-        assert self._slots is not None
-        try:
-            self.store.write_chunk(frame.session, frame.index, frame.digest, frame.payload)
-        except UnknownSessionError as exc:
-            self._count_reject("unknown-session", exc)
-        except LaminarError as exc:
-            self._count_reject(type(exc).__name__, exc)
-        finally:
-            self._slots.release()
-
-    def _count_reject(self, reason: str, exc: LaminarError) -> None:
-        n = self._chunk_rejects.get(reason, 0) + 1
-        self._chunk_rejects[reason] = n
-        if n <= _LOG_FIRST:
-            log.warning(
-                "relay %s rejected a data-plane chunk (%s): %s", self.member_id, reason, exc
-            )
-
     # -- status -------------------------------------------------------------
 
     def _metrics(self) -> list[Metric]:
-        h = self.health()
-        return [
-            Metric("versions_stored", "gauge", "complete versions held", len(h.versions)),
-            Metric("latest_stored_version", "gauge", "newest version held",
-                   max(h.versions) if h.versions else -1),
-            Metric("used_bytes", "gauge", "bytes held (complete + receiving)", h.used_bytes),
-            Metric("max_bytes", "gauge", "memory cap", h.max_bytes),
-            Metric("readers", "gauge", "reader leases held", h.readers),
-            Metric("is_master", "gauge", "1 on the master relay", int(h.master)),
-            Metric("forwarded_version", "gauge", "newest version sent downstream",
-                   h.forwarded_version),
-            Metric("rejected_total", "counter", "refused requests and frames", labels=("reason",),
-                   values={(k,): v for k, v in h.rejected.items()}),
-            Metric("fetches_total", "counter", "versions leased to readers, by reader id",
-                   labels=("reader",),
-                   values={(k,): v for k, v in
-                           dict(self.servicer.fetches if self.servicer else {}).items()}),
-        ]
+        return relay_metrics(self.health(), self.servicer.fetches if self.servicer else {})
 
     def health(self) -> relay_pb2.HealthReply:
         stats = self.store.stats()
         rejected: dict[str, int] = {}
-        for source in (
-            self.servicer.rejected if self.servicer else {},
-            self._receiver.stats.rejected if self._receiver else {},
-            self._chunk_rejects,
-        ):
+        for source in (self.servicer.rejected if self.servicer else {},
+                       self.intake.rejected() if self.intake else {}):
             for key, value in source.items():
                 rejected[key] = rejected.get(key, 0) + int(value)
         forwarder = self.forwarder
