@@ -242,9 +242,9 @@ class ManagerService(Service):
             return
         w.last_seen = time.monotonic()
         if isinstance(msg, WorkerReport):
-            self._handle_report(w, msg)
+            self.roster.report(w, msg)
         elif isinstance(msg, PartialProgress):
-            self._record_progress(peer, msg)
+            self.roster.progress(peer, msg)
         elif isinstance(msg, PromptTask):
             if self.ledger.requeue_exported(msg, peer):
                 migration = self.dispatch.migrations.get(msg.trajectory_id)
@@ -271,26 +271,6 @@ class ManagerService(Service):
         consumed = (self._trainer_step * cfg.batch_groups + led.filtered_groups) * \
             cfg.group_size
         return max(0, finished - consumed)
-
-    def _record_progress(self, peer: str, p: PartialProgress) -> None:
-        self.ledger.record_partial(p.trajectory_id, peer, p.policy_version, p.token_ids,
-                                   p.logprobs, p.offset)
-
-    def _handle_report(self, w: WorkerState, msg: WorkerReport) -> None:
-        for p in msg.progress:
-            self._record_progress(w.worker_id, p)
-        w.version = msg.policy_version
-        w.capacity = msg.max_batch
-        w.active, w.queued = msg.active, msg.queued
-        w.kv_used, w.kv_capacity = msg.kv_used_tokens, msg.kv_capacity_tokens
-        w.kv.observe(msg.kv_used_tokens if msg.kv_capacity_tokens > 0 else msg.active)
-        w.trainer_down_s = msg.trainer_down_s
-        if not msg.trainer_down_s:
-            self.roster.still_cut.pop(w.worker_id, None)
-        if w.pulling is not None and msg.policy_version >= w.pulling:
-            w.pulling = None
-        for tid in msg.done:
-            self.ledger.mark_done(tid, w.worker_id)
 
     def _refill(self, n: int) -> int:
         """Add up to ``n`` groups to the open batch for groups the trainer filtered (the

@@ -1,11 +1,12 @@
 """The manager's workers: who is connected, who is lost, and how fast their work recovers.
 
-:class:`Roster` holds each connected worker's state (what it last reported), declares a
-worker lost when it is silent for ``worker_timeout_s`` (not counting a stall of the
-manager's own loop) or cut off from the trainer that long while other workers reach it
-(a partition: its finished work cannot be delivered), hands a lost worker's
-trajectories back to the ledger (resumable from their partial tokens, or to generate
-again), and times each recovery (last heard from -> all of its work dispatched again).
+:class:`Roster` holds each connected worker's state (:meth:`Roster.report` takes its load
+reports, their progress and finished ids going into the ledger), declares a worker lost
+when it is silent for ``worker_timeout_s`` (not counting a stall of the manager's own
+loop) or cut off from the trainer that long while other workers reach it (a partition:
+its finished work cannot be delivered), hands a lost worker's trajectories back to the
+ledger (resumable from their partial tokens, or to generate again), and times each
+recovery (last heard from -> all of its work dispatched again).
 It never references the manager service.
 """
 
@@ -15,6 +16,8 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from laminar_common.codec import PartialProgress, WorkerReport
 
 from .ledger import PENDING, TrajectoryLedger
 from .repack import KvLifecycle
@@ -91,6 +94,29 @@ class Roster:
             if now - w.last_seen > self.worker_timeout_s:
                 self.lost(wid, f"silent for {now - w.last_seen:.1f}s")
         self._expire_cut_off()
+
+    def report(self, w: WorkerState, msg: WorkerReport) -> None:
+        """A worker's load report: its state, its unfinished trajectories' progress and
+        the ids it finished."""
+        for p in msg.progress:
+            self.progress(w.worker_id, p)
+        w.version = msg.policy_version
+        w.capacity = msg.max_batch
+        w.active, w.queued = msg.active, msg.queued
+        w.kv_used, w.kv_capacity = msg.kv_used_tokens, msg.kv_capacity_tokens
+        w.kv.observe(msg.kv_used_tokens if msg.kv_capacity_tokens > 0 else msg.active)
+        w.trainer_down_s = msg.trainer_down_s
+        if not msg.trainer_down_s:
+            self.still_cut.pop(w.worker_id, None)
+        if w.pulling is not None and msg.policy_version >= w.pulling:
+            w.pulling = None
+        for tid in msg.done:
+            self.ledger.mark_done(tid, w.worker_id)
+
+    def progress(self, worker_id: str, p: PartialProgress) -> None:
+        """New tokens of an unfinished trajectory, into the ledger's copy."""
+        self.ledger.record_partial(p.trajectory_id, worker_id, p.policy_version, p.token_ids,
+                                   p.logprobs, p.offset)
 
     def cut_off(self) -> set[str]:
         """Workers that report no link to the trainer while another worker has one: cut
