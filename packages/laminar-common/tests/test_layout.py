@@ -200,7 +200,7 @@ def test_components_never_import_their_service(tier):
     assert not offenders, f"{tier}: components import a service: {offenders}"
 
 
-SERVICE_MAX_LINES = 450
+SERVICE_MAX_LINES = 400
 """A composition root wires its parts and runs its loop; past this it is doing their work."""
 FUNCTION_MAX_LINES = 80
 """Lines of a function's code (its docstring aside)."""
