@@ -179,11 +179,17 @@ class TrainerService(Service):
         p.step, p.version = start.step, start.version
         self.durable.last_step = p.first_step = start.step
         self.buffer.consumed = start.consumed
-        published = self._latest_version()
-        if p.step > 0 or published is not None:
+        tok = self.policy.tokenizer
+        records = make_step_records(
+            cfg, p.step, self.dist.world_size if self.dist is not None else 1,
+            None if tok is None else lambda ids: tok.decode(list(ids)))
+        samples = SampleLogger(self.run_dir, cfg.samples, tok, self.trackers)
+        latest = self._latest_version()
+        published = -1 if latest is None else latest
+        if p.step > 0 or published >= 0:
             # A resumed (or restarted) trainer publishes its weights as a new version:
             # versions only move forward, and workers must leave rolled-back weights.
-            p.version = max(p.version, -1 if published is None else published) + 1
+            p.version = max(p.version, published) + 1
         resume_floor = max(0, p.version - cfg.buffer.max_staleness) if p.step > 0 else 0
         self._publish()
         self.publisher.wait_idle(timeout_s=300)
@@ -198,7 +204,7 @@ class TrainerService(Service):
         self.consumer = self._open_door(cfg.listen or where.tcp(cfg.port), where.advertise,
                                         extra, start.door_state)
         self.intake = Intake(self.consumer, self.buffer, resume_floor, cfg.buffer.max_staleness)
-        self.loop = self._make_loop()
+        self.loop = self._make_loop(records, samples)
         log.info("trainer %s ready at %s: step %d, v%d", cfg.trainer_id, self.consumer.endpoint,
                  p.step, p.version)
         self.spawn(lambda: self.intake.run(self.stopping), "receive")
@@ -220,16 +226,12 @@ class TrainerService(Service):
         door.step, door.version = p.step, p.version
         return door
 
-    def _make_loop(self) -> StepLoop:
-        cfg, tok = self.config, self.policy.tokenizer
-        records = make_step_records(
-            cfg, self.step, self.dist.world_size if self.dist is not None else 1,
-            None if tok is None else lambda ids: tok.decode(list(ids)))
+    def _make_loop(self, records: StepRecordWriter | None, samples: SampleLogger) -> StepLoop:
+        cfg = self.config
         return StepLoop(
             cfg, self.progress, policy=self.policy, feed=self.feed, buffer=self.buffer,
             door=self.consumer, durable=self.durable, heldout=self.heldout,
-            reporter=self.reporter, records=records, logs=self.logs,
-            samples=SampleLogger(self.run_dir, cfg.samples, tok, self.trackers),
+            reporter=self.reporter, records=records, logs=self.logs, samples=samples,
             publisher=self.publisher, publish=self._publish,
             latest_version=self._latest_version, stopping=self.stopping)
 
