@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
@@ -85,8 +85,9 @@ class Generation:
     def add(self, task: PromptTask) -> None:
         """Into the engine, with its migrated cache if it has one; refused to the manager
         if the engine or the environment cannot take it."""
+        stop = tuple(task.sampling.stop_token_ids) or tuple(self.tokenizer.eos_token_ids)
         try:
-            request = self._request(task)
+            request = self._request(task, stop)
             if task.kv is None:
                 self.engine.add_request(request())
             else:
@@ -106,10 +107,10 @@ class Generation:
         self.tasks[task.trajectory_id] = msgspec.structs.replace(task, kv=None) \
             if task.kv is not None else task
 
-    def _request(self, task: PromptTask) -> Callable[..., GenerationRequest]:
+    def _request(self, task: PromptTask,
+                 stop: tuple[int, ...]) -> Callable[..., GenerationRequest]:
         """The engine request of ``task``, given a KV cache or none."""
         s = task.sampling
-        stop = tuple(s.stop_token_ids) or tuple(self.tokenizer.eos_token_ids)
         max_tokens = s.max_tokens
         if self.conversations is not None:
             ids, max_tokens = self.conversations.begin(task)
@@ -178,8 +179,10 @@ class Generation:
 
     # -- leaving ----------------------------------------------------------------
 
-    def export(self, ids: Iterable[str]) -> list[PromptTask]:
-        """What the engine holds of ``ids``, as tasks another worker continues (repack)."""
+    def export(self, ids: Iterable[str]) -> Iterator[PromptTask]:
+        """What the engine holds of ``ids``, as tasks another worker continues (repack),
+        one at a time: each is built (its cache serialized) only once the one before it
+        was sent, and counted as exported after it was."""
         # Only what the engine holds moves: a conversation waiting on its tool call stays
         # (its side effects are running here); one between turns in the engine moves
         # with its conversation state.
@@ -188,21 +191,19 @@ class Generation:
         # included (the destination continues the same tokens: its prompt ids and
         # resumed tokens travel as they are, never rendered again).
         with_kv = self.kv.with_kv
-        moved = []
         for req in (self.engine.export_with_kv(wanted, max_bytes=self.kv.limit) if with_kv
                     else self.engine.export(wanted)):
             task = self.tasks.pop(req.request_id)
             conversation = self.conversations.export_state(req.request_id, replayable=True) \
                 if self.conversations is not None else None
-            moved.append(msgspec.structs.replace(
+            yield msgspec.structs.replace(
                 task, prompt_token_ids=tuple(req.prompt_token_ids),
                 resume_token_ids=tuple(req.resume_token_ids),
                 resume_logprobs=tuple(req.resume_logprobs),
                 policy_version=req.policy_version if req.policy_version is not None else -1,
                 conversation=conversation, kv=self.kv.out(req) if with_kv else None,
-            ))
+            )
             self.counters["exported"] += 1
-        return moved
 
     def drop_all(self) -> list[str]:
         """Abort and forget every unfinished trajectory (the manager dispatches them
