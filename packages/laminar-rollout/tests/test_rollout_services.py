@@ -15,7 +15,7 @@ from laminar_common.membership import InMemoryCoordinator, InMemoryEtcd, MemberR
 from laminar_common.transport import make_pull_receiver, make_push_sender
 from laminar_rollout.config import ManagerConfig, WorkerConfig
 from laminar_rollout.engines import LogNormalLengths, SimulatedEngine
-from laminar_rollout.ledger import ACKED
+from laminar_rollout.ledger import ACKED, DONE
 from laminar_rollout.manager import ManagerService
 from laminar_rollout.prompts import PromptCursor
 from laminar_rollout.tokenizer import ByteTokenizer
@@ -845,6 +845,11 @@ def test_a_worker_cut_off_from_the_trainer_has_its_work_done_elsewhere_once(stac
     assert _wait(lambda: {t.trajectory_id for t in trainer.got} == want, 30, trainer)
     assert manager.ledger.held_by("cut") == []
     assert manager.summary()["workers_cut_off"] == 1
+    # Every id has arrived, but the other worker may still be generating again ids the cut
+    # worker delivered before its link went down: wait until all 16 are done (a worker
+    # pushes a trajectory before it reports it done), and take what is in flight.
+    assert _wait(lambda: manager.ledger.counts()[DONE] == 16, 30, trainer)
+    trainer.pump(0.3)
     delivered_before_heal = len(trainer.got)
     cut.outbox.trainer.heal()
     assert _wait(lambda: cut.counters["trainer_reconnects"] == 1, 10, trainer)
