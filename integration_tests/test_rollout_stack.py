@@ -71,9 +71,9 @@ def test_new_version_reaches_every_worker_within_one_batch(etcd, spawn, tmp_path
 
     pump_until = lambda cond, t: wait_until(lambda: (pump(0.1), cond())[1], t)  # noqa: E731
     # Not necessarily from both workers: nothing is acked here, so v0's run-ahead budget is
-    # 48 groups with these settings, and on a loaded machine the worker that joins first can
-    # finish all of them (in about half a second) before the other's hello. Version 1 opens
-    # a new budget, and both must then generate at it (below).
+    # 24 groups (48 trajectories) with these settings, and on a loaded machine the worker
+    # that joins first can finish all of them (in about half a second) before the other's
+    # hello. Version 1 opens a new budget, and both must then generate at it (below).
     assert pump_until(lambda: len(got) >= 40, 60), \
         f"{len(got)} trajectories arrived, from {sorted({t.worker_id for t in got})}"
     assert all(t.policy_version == 0 and t.simulated for t in got)
