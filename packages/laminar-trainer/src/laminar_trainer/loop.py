@@ -79,8 +79,9 @@ class StepLoop:
     Args:
         publish: hand the backend's weights at the progress's version to the
             publisher; returns how long the caller stalled for it.
-        latest_version: the newest version in etcd (a re-send after a refused publish
-            goes out as a newer one); raises :class:`LaminarError` if etcd does not answer.
+        latest_version: the newest version in etcd, -1 for none (a re-send after a
+            refused publish goes out as a newer one); raises :class:`LaminarError` if etcd
+            does not answer.
     """
 
     def __init__(self, config: TrainerConfig, progress: Progress, *, policy: PolicyBackend,
@@ -88,7 +89,7 @@ class StepLoop:
                  durable: AckAfterCheckpoint, heldout: HeldOut, reporter: StepReporter,
                  samples: SampleLogger, records: StepRecordWriter | None, logs: RunFiles,
                  publisher: WeightPublisher, publish: Callable[[], float],
-                 latest_version: Callable[[], int | None], stopping: threading.Event) -> None:
+                 latest_version: Callable[[], int], stopping: threading.Event) -> None:
         self.config = config
         self.progress = progress
         self.policy, self.feed, self.buffer, self.door = policy, feed, buffer, door
@@ -151,8 +152,8 @@ class StepLoop:
         except LaminarError as exc:
             log.warning("paused for publishing: etcd does not answer (%s); re-sending "
                         "weights v%d as they are", exc, self.progress.version)
-            latest = None
-        if latest is not None and latest >= self.progress.version:
+            latest = -1
+        if latest >= self.progress.version:
             self.progress.version = latest + 1
         self._publish()
 

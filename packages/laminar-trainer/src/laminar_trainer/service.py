@@ -184,8 +184,7 @@ class TrainerService(Service):
             cfg, p.step, self.dist.world_size if self.dist is not None else 1,
             None if tok is None else lambda ids: tok.decode(list(ids)))
         samples = SampleLogger(self.run_dir, cfg.samples, tok, self.trackers)
-        latest = self._latest_version()
-        published = -1 if latest is None else latest
+        published = self._latest_version()
         if p.step > 0 or published >= 0:
             # A resumed (or restarted) trainer publishes its weights as a new version:
             # versions only move forward, and workers must leave rolled-back weights.
@@ -265,9 +264,10 @@ class TrainerService(Service):
         p = self.progress
         return self.publisher.submit(self.policy.snapshot(p.version, p.step))
 
-    def _latest_version(self) -> int | None:
+    def _latest_version(self) -> int:
+        """The newest version in etcd (-1: none yet)."""
         latest = self.coordinator.latest_version()
-        return None if latest is None else latest.version
+        return -1 if latest is None else latest.version
 
     def _train_loop(self) -> None:
         if self.loop.run():

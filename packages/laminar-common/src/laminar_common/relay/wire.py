@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from laminar_common.auth import grpc_channel
 from laminar_common.codec import PROTOCOL_VERSION, ChunkSpec, TensorSpec, WeightManifest
 from laminar_common.errors import (
     ConfigError,
@@ -287,8 +288,6 @@ class RelayStubs:
         Raises:
             TransportError: after :meth:`close`.
         """
-        from laminar_common.auth import grpc_channel
-
         with self._lock:
             if self._closed:
                 raise TransportError("relay connections are closed")
