@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import time
 
 import pytest
@@ -68,10 +69,34 @@ def test_chunks_arrive_intact_and_garbage_is_counted_not_fatal():
         receiver.close()
 
 
+def _hold_port(port: int) -> socket.socket:
+    """Bind (never listen on) ``port``, so no other socket takes it meanwhile.
+
+    A closed receiver's port is free: a test in the other xdist worker could bind it, or
+    the sender's own reconnect could pick it as its source port and connect to itself
+    (TCP simultaneous open; DEALER to DEALER is a valid pair). Either way the send gets
+    through; it did once in CI. A bound, non-listening socket refuses connects and keeps
+    the port out of the ephemeral range. ZeroMQ closes the listener on its reaper
+    thread, so the bind is retried, bounded.
+    """
+    deadline = time.monotonic() + 5
+    while True:
+        holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            holder.bind(("127.0.0.1", port))
+            return holder
+        except OSError:
+            holder.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def test_send_to_a_receiver_that_is_gone_fails_with_a_clear_error():
     receiver = ZmqChunkReceiver(lambda f: None)
     endpoint = receiver.endpoint
     receiver.close()
+    holder = _hold_port(int(endpoint.rsplit(":", 1)[1]))
     sender = make_chunk_sender(endpoint, hwm=1, send_timeout_s=0.3)
     try:
         with pytest.raises(TransportError, match="did not get through"):
@@ -79,5 +104,6 @@ def test_send_to_a_receiver_that_is_gone_fails_with_a_clear_error():
                 sender.send(SESSION, i, DIGEST, b"x" * 100_000)
     finally:
         sender.close()
+        holder.close()
     with pytest.raises(TransportError, match="no data plane"):
         make_chunk_sender("nccl://gpu0")

@@ -96,9 +96,11 @@ def test_without_find_master_a_publisher_sends_at_once():
 def test_a_version_that_cannot_reach_the_master_gives_way_to_a_newer_one(caplog):
     import socket
 
-    with socket.socket() as s:  # a port nothing listens on: the master's process is gone
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    # A port nothing listens on: the master's process is gone. The socket stays bound
+    # (never listening) to the end, so no other socket can take the port meanwhile.
+    hold = socket.socket()
+    hold.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{hold.getsockname()[1]}"
     store = InMemoryEtcd()
     relay = InMemoryCoordinator(store, "j")
     relay.register(MemberRecord(member_id="relay-0", role=RELAY_ROLE, address=dead))
@@ -124,3 +126,4 @@ def test_a_version_that_cannot_reach_the_master_gives_way_to_a_newer_one(caplog)
     publisher.close(timeout_s=1)
     client.close()
     relay.close()
+    hold.close()
