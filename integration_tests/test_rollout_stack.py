@@ -55,7 +55,10 @@ def test_new_version_reaches_every_worker_within_one_batch(etcd, spawn, tmp_path
                   "--set", f"worker_id=worker-{i}", "--set", "engine.type=simulated",
                   "--set", f"engine.max_batch={MAX_BATCH}", "--set", "engine.median_length=8",
                   "--set", "engine.max_length=40", "--set", "engine.step_time_base=0.002",
-                  "--set", "engine.step_time_per_seq=0.0002", "--set", "report_interval_s=0.1")
+                  "--set", "engine.step_time_per_seq=0.0002", "--set", "report_interval_s=0.1",
+                  # Nothing is acked until the end: no re-send may come within the test's
+                  # bounds (2 x 60 s), or the no-duplicates check below would see it.
+                  "--set", "resend_after_s=600")
         workers.append(w)
     for i, w in enumerate(workers):
         wait_ready(etcd, JOB, w, "worker", f"worker-{i}")
